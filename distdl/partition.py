@@ -1,0 +1,374 @@
+"""Partitions: sets of MPI workers, optionally arranged as a Cartesian grid.
+
+Every partition is derived from a *root* partition that wraps a user communicator
+(``MPIPartition(MPI.COMM_WORLD)``). A partition records its members as ranks of that root,
+so every worker -- member or not -- knows who belongs to it without communicating. New
+communicators are made with ``MPI_Comm_create_group``, which is collective over the members of
+the new partition only: workers outside it never block, and ranks that build partitions over
+disjoint sets of workers in different orders cannot deadlock each other.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["MPIPartition", "live_communicators"]
+
+_live_communicators = 0
+
+_REDUCE_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+
+
+def live_communicators() -> int:
+    """Return how many communicators distdl has created and not yet freed on this worker."""
+    return _live_communicators
+
+
+def _free_communicator(comm: MPI.Comm) -> None:
+    global _live_communicators
+    _live_communicators -= 1
+    if not MPI.Is_finalized():
+        comm.Free()
+
+
+def _as_int_tuple(values: Iterable[Any], what: str, where: str) -> tuple[int, ...]:
+    try:
+        array = np.asarray(list(values) if not np.isscalar(values) else [values])
+    except TypeError as error:
+        raise TypeError(f"{where}: expected a sequence of integers for {what}, got {values!r}") from error
+    if array.size and not np.issubdtype(array.dtype, np.integer) and not np.issubdtype(array.dtype, np.bool_):
+        raise TypeError(f"{where}: expected integers for {what}, got {values!r}")
+    return tuple(int(v) for v in array.ravel())
+
+
+class MPIPartition:
+    """A set of workers (MPI ranks), optionally arranged as a Cartesian grid.
+
+    ``MPIPartition(comm)`` wraps ``comm`` (default ``MPI.COMM_WORLD``) as a root partition of
+    shape ``(comm.size,)``; every other partition is derived from a root with the
+    ``create_*`` methods, which every worker of the root may call (SPMD). A worker outside a
+    partition is *inactive* there: its ``comm`` is ``MPI.COMM_NULL``, ``rank`` is -1 and
+    ``index`` is ``None``, while ``shape``, ``dim`` and ``size`` still describe the partition.
+    """
+
+    def __init__(self, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+        if comm == MPI.COMM_NULL:
+            raise ValueError("MPIPartition: expected an active communicator, got MPI.COMM_NULL")
+        shape = tuple(comm.dims) if isinstance(comm, MPI.Cartcomm) else (comm.size,)
+        self._init(comm, tuple(range(comm.size)), shape, comm, owned=False)
+
+    # -- construction ---------------------------------------------------------------------
+
+    def _init(self, root: MPI.Comm, members: tuple[int, ...] | None, shape: tuple[int, ...],
+              comm: MPI.Comm, owned: bool) -> None:
+        self._root = root
+        self._members = members
+        self._shape = shape
+        self._comm = comm
+        self._finalizer = None
+        if owned and comm != MPI.COMM_NULL:
+            global _live_communicators
+            _live_communicators += 1
+            self._finalizer = weakref.finalize(self, _free_communicator, comm)
+            self._finalizer.atexit = False
+
+    def _derive(self, members: tuple[int, ...] | None, shape: tuple[int, ...], tag: int = 0) -> MPIPartition:
+        """Return the partition of ``members`` (root ranks) with ``shape``; collective over the members."""
+        comm = MPI.COMM_NULL
+        if members is not None and self._root.rank in members:
+            root_group = self._root.Get_group()
+            group = root_group.Incl(list(members))
+            comm = self._root.Create_group(group, tag)
+            group.Free()
+            root_group.Free()
+        partition = MPIPartition.__new__(MPIPartition)
+        partition._init(self._root, members, shape, comm, owned=True)
+        return partition
+
+    def _require_members(self, where: str) -> tuple[int, ...]:
+        if self._members is None:
+            raise ValueError(f"{where}: the members of this partition are unknown on root rank "
+                             f"{self._root.rank}: it was made by create_subpartition on a worker outside "
+                             "its parent; derive partitions from ones this worker knows")
+        return self._members
+
+    def _check_ranks(self, where: str, ranks: Iterable[int]) -> tuple[int, ...]:
+        ranks = _as_int_tuple(ranks, "ranks", where)
+        bad = [r for r in ranks if not 0 <= r < self.size]
+        if bad:
+            raise ValueError(f"{where}: expected ranks in [0, {self.size}), got {bad}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"{where}: expected distinct ranks, got {list(ranks)}")
+        return ranks
+
+    def _check_axes(self, where: str, axes: Iterable[int]) -> tuple[int, ...]:
+        axes = _as_int_tuple(axes, "axes", where)
+        bad = [a for a in axes if not -self.dim <= a < self.dim]
+        if bad:
+            raise ValueError(f"{where}: expected axes in [{-self.dim}, {self.dim}) for a partition of "
+                             f"shape {self.shape}, got {bad}")
+        axes = tuple(a % self.dim for a in axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"{where}: expected distinct axes, got {list(axes)}")
+        return tuple(sorted(axes))
+
+    def _check_same_root(self, where: str, other: MPIPartition) -> None:
+        if not isinstance(other, MPIPartition):
+            raise TypeError(f"{where}: expected an MPIPartition, got {type(other).__name__}")
+        if other._root is not self._root and MPI.Comm.Compare(other._root, self._root) != MPI.IDENT:
+            raise ValueError(f"{where}: expected partitions derived from the same root partition")
+
+    def create_partition_inclusive(self, ranks: Iterable[int]) -> MPIPartition:
+        """Return the partition of the listed ranks of this partition, in the order given."""
+        ranks = self._check_ranks("create_partition_inclusive", ranks)
+        if not ranks:
+            raise ValueError("create_partition_inclusive: expected at least one rank, got none")
+        members = self._require_members("create_partition_inclusive")
+        return self._derive(tuple(members[r] for r in ranks), (len(ranks),))
+
+    def create_partition_exclusive(self, ranks: Iterable[int]) -> MPIPartition:
+        """Return the partition of all ranks of this partition except the listed ones."""
+        excluded = set(self._check_ranks("create_partition_exclusive", ranks))
+        keep = [r for r in range(self.size) if r not in excluded]
+        if not keep:
+            raise ValueError(f"create_partition_exclusive: expected to keep at least one of {self.size} "
+                             "ranks, got all of them excluded")
+        members = self._require_members("create_partition_exclusive")
+        return self._derive(tuple(members[r] for r in keep), (len(keep),))
+
+    def create_partition_union(self, other: MPIPartition) -> MPIPartition:
+        """Return the workers of this partition followed by those of ``other`` not in it."""
+        self._check_same_root("create_partition_union", other)
+        mine = self._require_members("create_partition_union")
+        theirs = other._require_members("create_partition_union")
+        members = mine + tuple(m for m in theirs if m not in set(mine))
+        return self._derive(members, (len(members),))
+
+    def create_cartesian_topology_partition(self, shape: Sequence[int]) -> MPIPartition:
+        """Return the same workers arranged as a grid of ``shape`` (row-major rank order)."""
+        shape = _as_int_tuple(shape, "shape", "create_cartesian_topology_partition")
+        if not shape or any(s < 1 for s in shape) or int(np.prod(shape)) != self.size:
+            raise ValueError(f"create_cartesian_topology_partition: expected a shape of positive extents "
+                             f"whose product is the partition size {self.size}, got {list(shape)}")
+        return self._derive(self._members, shape)
+
+    def create_subpartition(self, axes: Iterable[int]) -> MPIPartition:
+        """Return the sub-grid keeping ``axes``: the workers sharing this worker's other coordinates."""
+        axes = self._check_axes("create_subpartition", axes)
+        shape = tuple(self.shape[a] for a in axes)
+        if not self.active:
+            return self._derive(None, shape)
+        grid = np.arange(self.size).reshape(self.shape)
+        fibre = grid[tuple(slice(None) if a in axes else i for a, i in enumerate(self.index))]
+        return self._derive(tuple(self._members[r] for r in fibre.ravel()), shape)
+
+    def create_cartesian_subtopology_partition(self, remain_dims: Sequence[bool]) -> MPIPartition:
+        """Return the sub-grid keeping the axes flagged in ``remain_dims`` (as ``MPI_Cart_sub``)."""
+        remain_dims = list(remain_dims)
+        if len(remain_dims) != self.dim:
+            raise ValueError(f"create_cartesian_subtopology_partition: expected {self.dim} flags, "
+                             f"got {len(remain_dims)}")
+        return self.create_subpartition([a for a, keep in enumerate(remain_dims) if keep])
+
+    def create_allreduction_partition(self, axes_reduce: Iterable[int]) -> MPIPartition:
+        """Return this worker's fibre along ``axes_reduce``: the workers it sums with."""
+        return self.create_subpartition(axes_reduce)
+
+    def create_broadcast_partition_to(self, P_dest: MPIPartition, transpose_src: bool = False,
+                                      transpose_dest: bool = False) -> tuple[MPIPartition, MPIPartition]:
+        """Return ``(P_send, P_recv)`` for broadcasting blocks of this partition onto ``P_dest``.
+
+        Shapes follow NumPy broadcasting: the source shape (reversed if ``transpose_src``) is
+        left-padded with 1s to the destination's dimension (reversed if ``transpose_dest``),
+        and each source extent must equal the destination's or be 1. Each source worker is
+        rank 0 of its ``P_send``, whose other members are the destination workers it feeds;
+        ``P_recv`` is the group this worker receives in. Both are inactive where not needed,
+        and they are the same object when this worker feeds itself.
+        """
+        where = "create_broadcast_partition_to"
+        self._check_same_root(where, P_dest)
+        groups = _broadcast_groups(where, self, P_dest, transpose_src, transpose_dest)
+        me = self._root.rank
+        P_send = P_recv = None
+        # Every worker walks the groups in the same order, so creation is deadlock-free.
+        for tag, (members, feeds_itself) in enumerate(groups):
+            if me not in members:
+                continue
+            partition = self._derive(members, (len(members),), tag)
+            if members[0] == me:
+                P_send = partition
+            if me in members[1:] or (members[0] == me and feeds_itself):
+                P_recv = partition
+        null = self._derive((), (0,))
+        return P_send or null, P_recv or null
+
+    def create_reduction_partition_to(self, P_dest: MPIPartition, transpose_src: bool = False,
+                                      transpose_dest: bool = False) -> tuple[MPIPartition, MPIPartition]:
+        """Return ``(P_send, P_recv)`` for sum-reducing blocks of this partition onto ``P_dest``.
+
+        The reverse of :meth:`create_broadcast_partition_to` from ``P_dest`` to this partition:
+        each destination worker is rank 0 of the group it receives the sum in (``P_recv``).
+        """
+        P_recv, P_send = P_dest.create_broadcast_partition_to(self, transpose_dest, transpose_src)
+        return P_send, P_recv
+
+    # -- attributes -----------------------------------------------------------------------
+
+    @property
+    def comm(self) -> MPI.Comm:
+        """The communicator of the members (``MPI.COMM_NULL`` on inactive workers)."""
+        return self._comm
+
+    @property
+    def active(self) -> bool:
+        """Whether this worker is a member."""
+        return self._comm != MPI.COMM_NULL
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank in the partition, -1 if inactive."""
+        return self._comm.Get_rank() if self.active else -1
+
+    @property
+    def size(self) -> int:
+        """The number of workers."""
+        return int(np.prod(self._shape))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The grid shape."""
+        return self._shape
+
+    @property
+    def dim(self) -> int:
+        """The number of grid axes."""
+        return len(self._shape)
+
+    @property
+    def index(self) -> tuple[int, ...] | None:
+        """This worker's grid coordinates, ``None`` if inactive."""
+        return self.cartesian_index(self.rank) if self.active else None
+
+    @property
+    def root_ranks(self) -> tuple[int, ...] | None:
+        """The members' ranks in the root communicator, in partition rank order."""
+        return self._members
+
+    def cartesian_index(self, rank: int) -> tuple[int, ...]:
+        """Return the grid coordinates of partition rank ``rank`` (row-major)."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"cartesian_index: expected a rank in [0, {self.size}), got {rank}")
+        return tuple(int(i) for i in np.unravel_index(rank, self._shape))
+
+    def neighbor_ranks(self, rank: int) -> list[tuple[int, int]]:
+        """Return, per axis, the (left, right) neighbours of ``rank``; ``MPI.PROC_NULL`` at edges."""
+        index = self.cartesian_index(rank)
+        neighbors = []
+        for axis, extent in enumerate(self._shape):
+            pair = []
+            for step in (-1, 1):
+                i = index[axis] + step
+                if 0 <= i < extent:
+                    pair.append(int(np.ravel_multi_index(index[:axis] + (i,) + index[axis + 1:], self._shape)))
+                else:
+                    pair.append(MPI.PROC_NULL)
+            neighbors.append((pair[0], pair[1]))
+        return neighbors
+
+    # -- small metadata collectives ---------------------------------------------------------
+
+    def broadcast_data(self, data: Any, root: int = 0) -> np.ndarray | None:
+        """Return ``data`` from partition rank ``root`` as a numpy array; ``None`` if inactive."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"broadcast_data: expected a root in [0, {self.size}), got {root}")
+        if not self.active:
+            return None
+        return self._comm.bcast(np.asarray(data) if self.rank == root else None, root=root)
+
+    def allgather_data(self, data: Any) -> np.ndarray | None:
+        """Return every member's ``data`` stacked along a new first axis; ``None`` if inactive."""
+        if not self.active:
+            return None
+        return np.stack(self._comm.allgather(np.asarray(data)))
+
+    def allreduce_data(self, data: Any, op: str = "sum") -> np.ndarray | None:
+        """Return the elementwise reduction (``sum``, ``prod``, ``max``, ``min``) of ``data`` over members.
+
+        Members reduce in rank order, so every member gets the same bits. ``None`` if inactive.
+        """
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"allreduce_data: expected op in {sorted(_REDUCE_OPS)}, got {op!r}")
+        gathered = self.allgather_data(data)
+        if gathered is None:
+            return None
+        return _REDUCE_OPS[op].reduce(gathered, axis=0, dtype=gathered.dtype)
+
+    # -- lifetime and comparison ------------------------------------------------------------
+
+    def free(self) -> None:
+        """Free this partition's communicator now (collective over its members); idempotent."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._comm = MPI.COMM_NULL
+
+    def __enter__(self) -> MPIPartition:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.free()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MPIPartition):
+            return NotImplemented
+        if self is other:
+            return True
+        if self._members is None or other._members is None:
+            return False
+        same_root = other._root is self._root or MPI.Comm.Compare(other._root, self._root) == MPI.IDENT
+        return same_root and self._members == other._members and self._shape == other._shape
+
+    def __hash__(self) -> int:
+        return hash((self._members, self._shape)) if self._members is not None else id(self)
+
+    def __repr__(self) -> str:
+        if not self.active:
+            return f"MPIPartition(shape={self.shape}, active=False)"
+        return f"MPIPartition(shape={self.shape}, rank={self.rank}, index={self.index})"
+
+
+def _broadcast_groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
+                      transpose_dest: bool) -> list[tuple[tuple[int, ...], bool]]:
+    """Return, per source worker, ``(source, *other destinations)`` as root ranks and whether the
+    source is also one of its own destinations (computed locally, without communication)."""
+    src_shape = P_src.shape[::-1] if transpose_src else P_src.shape
+    dest_shape = P_dest.shape[::-1] if transpose_dest else P_dest.shape
+    if len(src_shape) > len(dest_shape):
+        raise ValueError(f"{where}: expected a source partition of at most {len(dest_shape)} dimensions "
+                         f"(the destination's), got shape {P_src.shape}")
+    padded = (1,) * (len(dest_shape) - len(src_shape)) + src_shape
+    if any(s != d and s != 1 for s, d in zip(padded, dest_shape)):
+        raise ValueError(f"{where}: source partition shape {P_src.shape} does not broadcast to destination "
+                         f"shape {P_dest.shape} (transpose_src={transpose_src}, transpose_dest={transpose_dest})")
+    if not (P_src.active or P_dest.active):
+        return []
+    src_members = P_src._require_members(where)
+    dest_members = P_dest._require_members(where)
+
+    def grid(shape: tuple[int, ...], transpose: bool) -> np.ndarray:
+        ranks = np.arange(int(np.prod(shape))).reshape(shape)
+        return ranks.transpose() if transpose else ranks
+
+    src_grid = grid(P_src.shape, transpose_src).reshape(padded)
+    dest_grid = grid(P_dest.shape, transpose_dest)
+    groups = []
+    for src_index in np.ndindex(*padded):
+        fed = dest_grid[tuple(slice(None) if s == 1 else i for s, i in zip(padded, src_index))]
+        source = src_members[src_grid[src_index]]
+        fed_members = [dest_members[r] for r in fed.ravel()]
+        groups.append(((source, *(m for m in fed_members if m != source)), source in fed_members))
+    return groups

@@ -1,0 +1,286 @@
+"""MPIPartition at 1-4 ranks: every method, inactive workers, odd sizes and the error paths."""
+
+import gc
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from distdl import MPIPartition
+from distdl.partition import live_communicators
+
+
+def sizes(*ns):
+    return pytest.mark.parametrize("comm", [pytest.param(n, marks=pytest.mark.mpi(min_size=n), id=f"{n}ranks")
+                                            for n in ns], indirect=True)
+
+
+@pytest.fixture
+def comm(request):
+    """Like the conftest fixture, with the size taken from an indirect parameter."""
+    size = request.param
+    world = MPI.COMM_WORLD
+    sub = world.Split(0 if world.rank < size else MPI.UNDEFINED, world.rank)
+    if sub == MPI.COMM_NULL:
+        pytest.skip(f"runs on {size} ranks; rank {world.rank} sits it out")
+    yield sub
+    sub.Free()
+
+
+@sizes(1, 2, 3, 4)
+def test_root_partition(P_world, comm):
+    assert P_world.active and P_world.comm is comm
+    assert (P_world.rank, P_world.size, P_world.shape, P_world.dim) == (comm.rank, comm.size, (comm.size,), 1)
+    assert P_world.index == (comm.rank,)
+    assert P_world.root_ranks == tuple(range(comm.size))
+
+
+@sizes(1, 2, 3, 4)
+def test_inclusive_and_exclusive(P_world, comm):
+    n = comm.size
+    evens = list(range(0, n, 2))
+    P_even = P_world.create_partition_inclusive(evens[::-1])
+    assert P_even.active == (comm.rank % 2 == 0)
+    assert P_even.size == len(evens) and P_even.shape == (len(evens),)
+    assert P_even.root_ranks == tuple(evens[::-1])
+    if P_even.active:
+        assert P_even.rank == evens[::-1].index(comm.rank)
+        assert P_even.comm.size == len(evens)
+        assert P_even.index == (P_even.rank,)
+    else:
+        assert (P_even.rank, P_even.index, P_even.comm) == (-1, None, MPI.COMM_NULL)
+    if n > 1:
+        P_odd = P_world.create_partition_exclusive(evens)
+        assert P_odd.active == (comm.rank % 2 == 1)
+        assert P_odd.root_ranks == tuple(range(1, n, 2))
+        # Ranks are relative to the partition the method is called on.
+        P_last = P_odd.create_partition_inclusive([P_odd.size - 1])
+        assert P_last.active == (comm.rank == P_odd.root_ranks[-1])
+        P_odd.free()
+    P_even.free()
+
+
+@sizes(2, 3, 4)
+def test_union(P_world, comm):
+    n = comm.size
+    P_a = P_world.create_partition_inclusive([n - 1])
+    P_b = P_world.create_partition_inclusive([0])
+    P_ab = P_a.create_partition_union(P_b)
+    assert P_ab.root_ranks == (n - 1, 0)
+    assert P_ab.active == (comm.rank in (0, n - 1))
+    if P_ab.active:
+        # Union members keep the order: first partition, then the new workers of the second.
+        assert P_ab.rank == (0 if comm.rank == n - 1 else 1)
+        assert P_ab.comm.allreduce(1) == 2
+    assert P_a.create_partition_union(P_a) == P_a
+
+
+@sizes(1, 2, 3, 4)
+def test_cartesian_topology_and_neighbors(P_world, comm):
+    n = comm.size
+    shape = {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}[n]
+    P = P_world.create_cartesian_topology_partition(shape)
+    assert P.shape == shape and P.dim == 2 and P.size == n
+    assert P.index == tuple(np.unravel_index(comm.rank, shape))
+    for r in range(n):
+        i = P.cartesian_index(r)
+        assert i == tuple(np.unravel_index(r, shape))
+        for axis, (left, right) in enumerate(P.neighbor_ranks(r)):
+            for step, neighbor in ((-1, left), (1, right)):
+                j = list(i)
+                j[axis] += step
+                expect = int(np.ravel_multi_index(j, shape)) if 0 <= j[axis] < shape[axis] else MPI.PROC_NULL
+                assert neighbor == expect
+    # A 3-d shape as well.
+    P3 = P_world.create_cartesian_topology_partition((1, n, 1))
+    assert P3.index == (0, comm.rank, 0)
+
+
+@sizes(1, 2, 3, 4)
+def test_subpartitions(P_world, comm):
+    n = comm.size
+    shape = {1: (1, 1), 2: (2, 1), 3: (1, 3), 4: (2, 2)}[n]
+    P = P_world.create_cartesian_topology_partition(shape)
+    i, j = P.index
+    grid = np.arange(n).reshape(shape)
+    rows = P.create_subpartition([1])
+    assert rows.shape == (shape[1],) and rows.root_ranks == tuple(grid[i, :])
+    assert rows.comm.allreduce(comm.rank) == int(grid[i, :].sum())
+    cols = P.create_cartesian_subtopology_partition([True, False])
+    assert cols.shape == (shape[0],) and cols.root_ranks == tuple(grid[:, j])
+    assert cols.rank == i
+    fibre = P.create_allreduction_partition([0])
+    assert fibre == cols
+    whole = P.create_subpartition([1, 0])  # axes are taken in the partition's order
+    assert whole == P
+    alone = P.create_subpartition([])
+    assert (alone.shape, alone.size, alone.index, alone.comm.size) == ((), 1, (), 1)
+
+
+@sizes(3, 4)
+def test_inactive_workers_get_well_defined_values(P_world, comm):
+    P_x = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition([1, 2])
+    sub = P_x.create_subpartition([1])
+    if comm.rank >= 2:
+        assert not P_x.active and not sub.active
+        assert (P_x.rank, P_x.index, P_x.shape, P_x.size) == (-1, None, (1, 2), 2)
+        assert (sub.shape, sub.size, sub.root_ranks) == ((2,), 2, None)
+        assert P_x.broadcast_data(1) is None and P_x.allgather_data(1) is None
+        assert P_x.allreduce_data(1) is None
+        assert repr(P_x) == "MPIPartition(shape=(1, 2), active=False)"
+    else:
+        assert sub == P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition([2])
+
+
+@sizes(1, 2, 3, 4)
+def test_data_collectives(P_world, comm):
+    r, n = comm.rank, comm.size
+    for dtype in (np.int8, np.int64, np.float32, np.float64, np.complex128, np.bool_):
+        data = (np.arange(3) + r).astype(dtype)
+        got = P_world.broadcast_data(data if r == n - 1 else None, root=n - 1)
+        assert got.dtype == dtype and np.array_equal(got, (np.arange(3) + n - 1).astype(dtype))
+        gathered = P_world.allgather_data(data)
+        assert gathered.shape == (n, 3) and gathered.dtype == dtype
+        assert np.array_equal(gathered, np.stack([(np.arange(3) + k).astype(dtype) for k in range(n)]))
+        total = P_world.allreduce_data(data)
+        assert total.dtype == dtype
+        assert np.array_equal(total, np.add.reduce(gathered, axis=0, dtype=dtype))
+    assert P_world.allreduce_data(r, op="max") == n - 1
+    assert P_world.allreduce_data(r + 1, op="min") == 1
+    assert P_world.allreduce_data(2, op="prod") == 2 ** n
+    with pytest.raises(ValueError, match="allreduce_data: expected op"):
+        P_world.allreduce_data(1, op="mean")
+    with pytest.raises(ValueError, match=r"broadcast_data: expected a root in \[0, "):
+        P_world.broadcast_data(1, root=n)
+
+
+@sizes(2, 3, 4)
+def test_broadcast_and_reduction_partitions(P_world, comm):
+    """Broadcast from a 1 x k source onto a k' x k destination; the groups carry the right blocks."""
+    n = comm.size
+    dest_shape = {2: (2, 1), 3: (3, 1), 4: (2, 2)}[n]
+    src_shape = (dest_shape[1],)
+    # Sources are the last ranks, so source and destination overlap only partly.
+    P_src = P_world.create_partition_inclusive(range(n - src_shape[0], n)).create_cartesian_topology_partition(src_shape)
+    P_dest = P_world.create_cartesian_topology_partition(dest_shape)
+    P_send, P_recv = P_src.create_broadcast_partition_to(P_dest)
+    assert P_send.active == P_src.active
+    assert P_recv.active == P_dest.active
+    # Non-blocking, as a worker may send in one group and receive in another.
+    sent, got = np.array(P_src.index or [-1]), np.array([-1])
+    requests = []
+    if P_send.active:
+        requests.append(P_send.comm.Ibcast(sent, root=0))
+    if P_recv.active and P_recv is not P_send:
+        requests.append(P_recv.comm.Ibcast(got, root=0))
+    MPI.Request.Waitall(requests)
+    if P_recv is P_send:
+        got = sent
+    if P_dest.active:
+        assert got.tolist() == [P_dest.index[1]]
+        assert P_recv.root_ranks[0] == P_src.root_ranks[P_dest.index[1]]
+    # The reduction partitions are the same groups seen from the other side.
+    Q_send, Q_recv = P_dest.create_reduction_partition_to(P_src)
+    assert Q_send.active == P_dest.active and Q_recv.active == P_src.active
+    if Q_recv.active:
+        assert Q_recv.root_ranks == P_send.root_ranks
+        assert Q_recv.rank == 0
+    if Q_send.active:
+        assert Q_send.root_ranks == P_recv.root_ranks
+
+
+@sizes(4)
+def test_broadcast_partitions_transposed(P_world, comm):
+    """A (2, 2) weight grid reduces onto a transposed (1, 2) output: DistDL's linear layer."""
+    P_w = P_world.create_cartesian_topology_partition((2, 2))
+    P_y = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition((1, 2))
+    P_send, P_recv = P_w.create_reduction_partition_to(P_y, transpose_dest=True)
+    # Each worker of P_w sends its column index; P_y's worker j receives the sum over row j.
+    mine, total, zero = np.array([P_w.index[1] + 10]), np.array([-1]), np.array([0])
+    requests = [P_send.comm.Ireduce(mine, total if P_send is P_recv else None, root=0)]
+    if P_recv.active and P_recv is not P_send:
+        requests.append(P_recv.comm.Ireduce(zero, total, root=0))
+    MPI.Request.Waitall(requests)
+    assert P_send.root_ranks[0] == P_y.root_ranks[P_w.index[0]]
+    assert P_recv.active == P_y.active
+    if P_y.active:
+        assert total.tolist() == [10 + 11]
+        assert P_recv.root_ranks[0] == comm.rank and P_recv.rank == 0
+
+
+@sizes(1, 2, 3, 4)
+def test_errors_are_raised_on_every_rank_before_communicating(P_world, comm):
+    n = comm.size
+    with pytest.raises(ValueError, match=rf"create_cartesian_topology_partition: expected a shape .* size {n}, got \[{n}, 2\]"):
+        P_world.create_cartesian_topology_partition([n, 2])
+    with pytest.raises(ValueError, match=r"create_partition_inclusive: expected ranks in \[0, \d\), got \[-1\]"):
+        P_world.create_partition_inclusive([0, -1])
+    with pytest.raises(ValueError, match=rf"got \[{n}\]"):
+        P_world.create_partition_exclusive([n])
+    with pytest.raises(ValueError, match="expected distinct ranks, got \\[0, 0\\]"):
+        P_world.create_partition_inclusive([0, 0])
+    with pytest.raises(ValueError, match="expected at least one rank"):
+        P_world.create_partition_inclusive([])
+    with pytest.raises(ValueError, match="expected to keep at least one"):
+        P_world.create_partition_exclusive(range(n))
+    with pytest.raises(ValueError, match=r"create_subpartition: expected axes in \[-1, 1\) .*, got \[1\]"):
+        P_world.create_subpartition([1])
+    with pytest.raises(TypeError, match="create_subpartition: expected integers"):
+        P_world.create_subpartition([0.5])
+    with pytest.raises(ValueError, match="cartesian_index: expected a rank"):
+        P_world.cartesian_index(n)
+    if n > 1:
+        with pytest.raises(ValueError, match=r"source partition shape \(\d, 1\) does not broadcast to destination "
+                                             r"shape \(1, \d\)"):
+            P_world.create_cartesian_topology_partition([n, 1]).create_broadcast_partition_to(
+                P_world.create_cartesian_topology_partition([1, n]))
+    with pytest.raises(ValueError, match="expected a source partition of at most 1 dimensions"):
+        P_world.create_cartesian_topology_partition([1, n]).create_broadcast_partition_to(P_world)
+    with pytest.raises(ValueError, match="expected partitions derived from the same root"):
+        P_world.create_partition_union(MPIPartition(MPI.COMM_SELF))
+    with pytest.raises(ValueError, match="got MPI.COMM_NULL"):
+        MPIPartition(MPI.COMM_NULL)
+    # After all of that the partition still works on every rank.
+    assert P_world.comm.allreduce(1) == n
+
+
+@sizes(2, 3, 4)
+def test_free_and_no_leak(P_world, comm):
+    gc.collect()
+    start = live_communicators()
+    with P_world.create_partition_inclusive([0, 1]) as P:
+        assert live_communicators() == start + P.active
+    assert not P.active and live_communicators() == start
+    P.free()  # idempotent
+    for _ in range(20):
+        P_world.create_cartesian_topology_partition([comm.size, 1]).create_subpartition([0])
+    assert live_communicators() == start
+
+
+@sizes(4)
+def test_creation_order_does_not_deadlock(P_world, comm):
+    """Ranks build partitions over disjoint sets in different orders; non-members never block."""
+    r = comm.rank
+    if r < 2:
+        a = P_world.create_partition_inclusive([0, 1])
+        b = P_world.create_partition_inclusive([2, 3])
+    else:
+        b = P_world.create_partition_inclusive([2, 3])
+        a = P_world.create_partition_inclusive([0, 1])
+    assert a.active == (r < 2) and b.active == (r >= 2)
+    # Only the members of a partition take part in building it.
+    if r == 3:
+        c = P_world.create_partition_inclusive([3])
+        assert c.active and c.size == 1
+    assert comm.allreduce(1) == 4
+
+
+@sizes(2, 4)
+def test_equality(P_world, comm):
+    n = comm.size
+    a = P_world.create_partition_inclusive(range(n)).create_cartesian_topology_partition([n // 2, 2])
+    b = P_world.create_cartesian_topology_partition([n // 2, 2])
+    assert a == b and hash(a) == hash(b)
+    assert a != P_world.create_cartesian_topology_partition([n // 2, 1, 2])
+    assert a != P_world.create_partition_inclusive(range(n))
+    assert P_world.create_partition_inclusive([0, 1]) != P_world.create_partition_inclusive([1, 0])
