@@ -70,6 +70,7 @@ class MPIPartition:
         self._members = members
         self._shape = shape
         self._comm = comm
+        self._cache: dict = {}
         self._finalizer = None
         if owned and comm != MPI.COMM_NULL:
             global _live_communicators
@@ -217,6 +218,12 @@ class MPIPartition:
         P_recv, P_send = P_dest.create_broadcast_partition_to(self, transpose_dest, transpose_src)
         return P_send, P_recv
 
+    def _memo(self, key: Any, build: Any) -> Any:
+        """Return what ``build()`` returns for ``key``, built once per partition (plans, sub-partitions)."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
     # -- attributes -----------------------------------------------------------------------
 
     @property
@@ -312,6 +319,11 @@ class MPIPartition:
 
     def free(self) -> None:
         """Free this partition's communicator now (collective over its members); idempotent."""
+        for value in self._cache.values():
+            for partition in value if isinstance(value, tuple) else (value,):
+                if isinstance(partition, MPIPartition):
+                    partition.free()
+        self._cache.clear()
         if self._finalizer is not None:
             self._finalizer()
         self._comm = MPI.COMM_NULL

@@ -46,9 +46,12 @@ def _watchdog():
 
 @pytest.fixture
 def comm(request):
-    """COMM_WORLD split to exactly the size the test's mpi marker asks for; other ranks sit it out."""
+    """COMM_WORLD split to exactly the size the test's mpi marker asks for; other ranks sit it out.
+
+    Parametrise over sizes with ``helpers.sizes(1, 2, 3, 4)`` (an indirect parameter).
+    """
     marker = request.node.get_closest_marker("mpi")
-    size = marker.kwargs.get("min_size", 1) if marker is not None else 1
+    size = getattr(request, "param", None) or (marker.kwargs.get("min_size", 1) if marker is not None else 1)
     world = MPI.COMM_WORLD
     sub = world.Split(0 if world.rank < size else MPI.UNDEFINED, world.rank)
     if sub == MPI.COMM_NULL:

@@ -8,23 +8,7 @@ from mpi4py import MPI
 
 from distdl import MPIPartition
 from distdl.partition import live_communicators
-
-
-def sizes(*ns):
-    return pytest.mark.parametrize("comm", [pytest.param(n, marks=pytest.mark.mpi(min_size=n), id=f"{n}ranks")
-                                            for n in ns], indirect=True)
-
-
-@pytest.fixture
-def comm(request):
-    """Like the conftest fixture, with the size taken from an indirect parameter."""
-    size = request.param
-    world = MPI.COMM_WORLD
-    sub = world.Split(0 if world.rank < size else MPI.UNDEFINED, world.rank)
-    if sub == MPI.COMM_NULL:
-        pytest.skip(f"runs on {size} ranks; rank {world.rank} sits it out")
-    yield sub
-    sub.Free()
+from helpers import sizes
 
 
 @sizes(1, 2, 3, 4)

@@ -1,0 +1,1 @@
+"""Transports between torch tensors and MPI."""

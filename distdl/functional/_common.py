@@ -1,0 +1,88 @@
+"""Checks and helpers shared by the primitives (validation happens before any communication)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from distdl.partition import MPIPartition
+from distdl.utilities.torch import zero_volume_tensor
+
+
+def check_tensor(where: str, x: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
+
+
+def check_partition(where: str, name: str, P: object) -> None:
+    if not isinstance(P, MPIPartition):
+        raise TypeError(f"{where}: expected an MPIPartition for {name}, got {type(P).__name__}")
+
+
+def check_idle_input(where: str, P: MPIPartition, x: torch.Tensor, name: str = "P_x") -> None:
+    """A worker outside ``P`` contributes nothing: its input must be zero-volume."""
+    if not P.active and x.numel() != 0:
+        raise ValueError(f"{where}: worker {P._root.rank} is outside {name} and expected a zero-volume tensor, "
+                         f"got shape {tuple(x.shape)}")
+
+
+def check_dim(where: str, P: MPIPartition, x: torch.Tensor, name: str = "P_x") -> None:
+    if P.active and x.dim() != P.dim:
+        raise ValueError(f"{where}: expected a tensor of {P.dim} dimensions to match {name} of shape {P.shape}, "
+                         f"got shape {tuple(x.shape)}")
+
+
+def resolve_axes(where: str, P: MPIPartition, axes: Iterable[int] | None, axes_keep: Iterable[int] | None,
+                 what: str) -> tuple[int, ...]:
+    """Return the sorted partition axes an operation acts on, given them or their complement."""
+    if (axes is None) == (axes_keep is None):
+        raise ValueError(f"{where}: expected exactly one of {what} and axes_keep, got "
+                         f"{what}={axes!r}, axes_keep={axes_keep!r}")
+    checked = P._check_axes(where, axes if axes is not None else axes_keep)
+    if axes is None:
+        checked = tuple(a for a in range(P.dim) if a not in checked)
+    return checked
+
+
+def zero_volume_like(x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
+    """Return the zero-volume output of a worker with nothing to receive."""
+    b = x.shape[0] if preserve_batch and x.dim() > 0 else None
+    return zero_volume_tensor(b, dtype=x.dtype, device=x.device)
+
+
+def grad_like(grad: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
+    """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape)."""
+    if grad.shape != x_shape and grad.numel() == 0:
+        return grad.new_zeros(x_shape)
+    return grad
+
+
+# Receivers that hold only a zero-volume placeholder learn the dtype and shape of what arrives
+# from a fixed-size header sent with the same pattern as the data.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool)
+HEADER_LENGTH = 2 + 14  # dtype code, number of dimensions, up to 14 extents
+
+
+def encode_header(where: str, x: torch.Tensor):
+    """Return an int64 numpy header describing ``x``'s dtype and shape."""
+    import numpy as np
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"{where}: expected one of {[str(d) for d in _DTYPES]}, got {x.dtype}")
+    if x.dim() > HEADER_LENGTH - 2:
+        raise ValueError(f"{where}: expected a tensor of at most {HEADER_LENGTH - 2} dimensions, got {x.dim()}")
+    header = np.full(HEADER_LENGTH, -1, dtype=np.int64)
+    header[0], header[1] = _DTYPES.index(x.dtype), x.dim()
+    header[2:2 + x.dim()] = x.shape
+    return header
+
+
+def decode_header(header) -> tuple[torch.dtype, tuple[int, ...]]:
+    """Return the dtype and shape in a header made by :func:`encode_header`."""
+    return _DTYPES[int(header[0])], tuple(int(n) for n in header[2:2 + int(header[1])])
+
+
+def empty_header():
+    import numpy as np
+    return np.full(HEADER_LENGTH, -1, dtype=np.int64)

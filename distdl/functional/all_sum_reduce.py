@@ -1,0 +1,73 @@
+"""AllSumReduce: sum within fibres along partition axes; every member gets the sum.
+
+Forward ``y_i = sum_{j in fibre(i)} x_j``; it is self-adjoint, so its backward is itself.
+
+============================  =====================================
+worker                        does
+============================  =====================================
+in P_x, fibre of size > 1     contributes ``x``, receives the sum
+in P_x, fibre of size 1       returns a copy of ``x``
+outside P_x                   passes and gets a zero-volume tensor
+============================  =====================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from mpi4py import MPI
+
+from distdl.backends import mpi as transport
+from distdl.functional._common import check_idle_input, check_partition, check_tensor, resolve_axes
+from distdl.partition import MPIPartition
+
+__all__ = ["all_sum_reduce"]
+
+
+def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
+                   axes_keep: Iterable[int] | None = None) -> torch.Tensor:
+    """Return the sum of ``x`` over this worker's fibre of ``P_x`` along ``axes_reduce``.
+
+    Args:
+        x: this worker's tensor (same shape on every member of a fibre).
+        P_x: the partition.
+        axes_reduce: partition axes to sum along; or give ``axes_keep``, the axes not summed.
+    Returns:
+        A new tensor (never aliasing ``x``); zero-volume outside ``P_x``.
+    Raises:
+        ValueError: axes out of range, both or neither of ``axes_reduce``/``axes_keep``, or
+            data on a worker outside ``P_x``.
+        TypeError: ``x`` of a dtype that cannot be summed (bool).
+    """
+    where = "all_sum_reduce"
+    check_tensor(where, x)
+    check_partition(where, "P_x", P_x)
+    axes = resolve_axes(where, P_x, axes_reduce, axes_keep, "axes_reduce")
+    transport.reduction_dtype(where, x.dtype)
+    check_idle_input(where, P_x, x)
+    if not P_x.active:
+        return x.clone()
+    return _AllSumReduce.apply(x, P_x, axes, fibre(P_x, axes))
+
+
+def fibre(P_x: MPIPartition, axes: tuple[int, ...]) -> MPIPartition:
+    """Return this worker's fibre of ``P_x`` along ``axes``, built once per partition."""
+    return P_x._memo(("fibre", axes), lambda: P_x.create_allreduction_partition(axes))
+
+
+class _AllSumReduce(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, P_x, axes, P_fibre):
+        ctx.P_x, ctx.axes = P_x, axes
+        if P_fibre.size == 1:
+            return x.clone()
+        x_sum = transport.contiguous(x, transport.reduction_dtype("all_sum_reduce", x.dtype))
+        y = torch.empty_like(x_sum)
+        P_fibre.comm.Allreduce(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True), op=MPI.SUM)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return all_sum_reduce(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None

@@ -1,0 +1,127 @@
+"""Checks for distributed operators and layers, for distdl's tests and for users' own layers.
+
+- :func:`assert_adjoint`: the dot-product test ``<F x, y> == <x, F* y>`` summed over workers, in
+  float64 with random, rank-varying ``y``; every worker asserts.
+- :func:`assert_sequential_equivalence`: scatter a global tensor, run the distributed operator,
+  and compare outputs and input gradients with the sequential operator on every worker.
+- :func:`scatter` / :func:`gather`: a global tensor to and from its balanced decomposition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from distdl.partition import MPIPartition
+from distdl.utilities.slicing import compute_start_index, compute_stop_index
+from distdl.utilities.torch import zero_volume_tensor
+
+__all__ = ["assert_adjoint", "assert_sequential_equivalence", "scatter", "gather", "random_tensor"]
+
+
+def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Return a standard normal tensor from ``seed`` (same on every worker for the same seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(tuple(shape), generator=generator, dtype=torch.float64).to(dtype)
+
+
+def scatter(x_global: torch.Tensor, P: MPIPartition, preserve_batch: bool = False) -> torch.Tensor:
+    """Return this worker's balanced block of ``x_global`` (which every worker holds); zero-volume if inactive."""
+    if not P.active:
+        b = x_global.shape[0] if preserve_batch and x_global.dim() else None
+        return zero_volume_tensor(b, dtype=x_global.dtype, device=x_global.device)
+    if x_global.dim() != P.dim:
+        raise ValueError(f"scatter: expected a tensor of {P.dim} dimensions for a partition of shape {P.shape}, "
+                         f"got shape {tuple(x_global.shape)}")
+    start = compute_start_index(P.shape, P.index, x_global.shape)
+    stop = compute_stop_index(P.shape, P.index, x_global.shape)
+    return x_global[tuple(slice(a, b) for a, b in zip(start, stop))].clone()
+
+
+def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
+    """Return the global tensor assembled from the blocks of ``P`` on every worker of P's root.
+
+    Collective over the root communicator (every worker calls it); for tests, not for speed.
+    """
+    blocks = P._root.allgather((P.index, x_local.detach().cpu().numpy()) if P.active else None)
+    blocks = {index: block for item in blocks if item is not None for index, block in [item]}
+    shape = [sum(blocks[tuple(i if a == axis else 0 for a in range(P.dim))].shape[axis]
+                 for i in range(P.shape[axis])) for axis in range(P.dim)]
+    some = next(iter(blocks.values()))
+    out = np.empty(shape, dtype=some.dtype)
+    for index, block in blocks.items():
+        start = compute_start_index(P.shape, index, shape)
+        out[tuple(slice(a, a + n) for a, n in zip(start, block.shape))] = block
+    return torch.from_numpy(out).to(x_local.device)
+
+
+def _allsum(comm: MPI.Comm, values: list[float]) -> list[float]:
+    return [float(v) for v in comm.allreduce(np.array(values, dtype=np.float64))]
+
+
+def _assert_close(where: str, comm: MPI.Comm, a: float, b: float, rtol: float) -> None:
+    if not abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300):
+        raise AssertionError(f"{where}: <F x, y> = {a!r} but <x, F* y> = {b!r} (relative difference "
+                             f"{abs(a - b) / max(abs(a), abs(b), 1e-300):.3e} > {rtol:.1e}) on rank {comm.rank}")
+
+
+def _vjp(y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, create_graph: bool) -> torch.Tensor:
+    (dx,) = torch.autograd.grad(y, x, dy, create_graph=create_graph, allow_unused=True)
+    return torch.zeros_like(x) if dx is None else dx
+
+
+def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, comm: MPI.Comm = MPI.COMM_WORLD,
+                   seed: int = 0, rtol: float = 1e-10, adjoint_of_adjoint: bool = True) -> None:
+    """Assert that the backward of the distributed linear operator ``op`` is its adjoint.
+
+    Every worker of ``comm`` calls this with its local input ``x``; ``y`` is drawn per rank
+    (rank-varying), the inner products are summed over ``comm`` and every worker asserts. With
+    ``adjoint_of_adjoint``, the double backward is checked to be the adjoint of the backward.
+    """
+    x = x.detach().to(torch.float64).requires_grad_()
+    y = op(x)
+    dy = random_tensor(y.shape, seed * 100003 + 2 * comm.rank + 1).to(y.device).requires_grad_()
+    dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
+    forward, adjoint = _allsum(comm, [(y.detach() * dy.detach()).sum(), (x.detach() * dx.detach()).sum()])
+    _assert_close("assert_adjoint", comm, forward, adjoint, rtol)
+    if adjoint_of_adjoint:
+        v = random_tensor(x.shape, seed * 100003 + 2 * comm.rank + 2).to(x.device)
+        dv = _vjp(dx, dy, v, create_graph=False)
+        backward, double = _allsum(comm, [(dx.detach() * v).sum(), (dy.detach() * dv).sum()])
+        _assert_close("assert_adjoint (adjoint of the adjoint)", comm, backward, double, rtol)
+
+
+def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Tensor],
+                                  sequential: Callable[[torch.Tensor], torch.Tensor], x_global: torch.Tensor,
+                                  P_x: MPIPartition, P_y: MPIPartition, seed: int = 0, rtol: float = 1e-7,
+                                  atol: float = 1e-9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assert that ``distributed`` on the blocks of ``x_global`` equals ``sequential`` on the whole.
+
+    Every worker holds ``x_global``; inputs are scattered over ``P_x``, outputs compared with the
+    blocks of the sequential output over ``P_y``, then a global random cotangent (whose blocks
+    differ per worker) is pulled back and input gradients compared. Every worker asserts.
+    Returns this worker's ``(x_local, y_local)`` for further checks (parameter gradients).
+    """
+    x_ref = x_global.detach().clone().requires_grad_()
+    y_ref = sequential(x_ref)
+    x_local = scatter(x_global.detach(), P_x).requires_grad_()
+    y_local = distributed(x_local)
+    expected = scatter(y_ref.detach(), P_y)
+    rank = P_x._root.rank
+    if P_y.active:
+        torch.testing.assert_close(y_local.detach(), expected, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"forward differs from the sequential result on rank {rank}: {m}")
+    elif y_local.numel() != 0:
+        raise AssertionError(f"rank {rank} is outside P_y but got output of shape {tuple(y_local.shape)}")
+    dy_global = random_tensor(y_ref.shape, seed + 7777, y_ref.dtype)
+    y_ref.backward(dy_global)
+    dy_local = scatter(dy_global, P_y)
+    y_local.backward(dy_local if P_y.active else torch.zeros_like(y_local))
+    expected_grad = scatter(x_ref.grad, P_x)
+    if P_x.active:
+        torch.testing.assert_close(x_local.grad, expected_grad, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"input gradient differs on rank {rank}: {m}")
+    return x_local, y_local
