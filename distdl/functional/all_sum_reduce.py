@@ -40,15 +40,21 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
             data on a worker outside ``P_x``.
         TypeError: ``x`` of a dtype that cannot be summed (bool).
     """
-    where = "all_sum_reduce"
+    axes = validate("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
+    if not P_x.active:
+        return x.clone()
+    return _AllSumReduce.apply(x, P_x, axes, fibre(P_x, axes))
+
+
+def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None,
+             axes_keep: Iterable[int] | None) -> tuple[int, ...]:
+    """Check the arguments of a fibre sum; return the partition axes summed along."""
     check_tensor(where, x)
     check_partition(where, "P_x", P_x)
     axes = resolve_axes(where, P_x, axes_reduce, axes_keep, "axes_reduce")
     transport.reduction_dtype(where, x.dtype)
     check_idle_input(where, P_x, x)
-    if not P_x.active:
-        return x.clone()
-    return _AllSumReduce.apply(x, P_x, axes, fibre(P_x, axes))
+    return axes
 
 
 def fibre(P_x: MPIPartition, axes: tuple[int, ...]) -> MPIPartition:

@@ -1,0 +1,67 @@
+"""The invariant pair (Megatron-LM / TransformerEngine convention) along partition axes.
+
+- ``all_sum_reduce_forward``: forward all-sum-reduce, backward identity.
+- ``all_sum_reduce_backward``: forward identity, backward all-sum-reduce.
+
+Each one's backward is the other's forward. They are NOT the true adjoints of their forwards
+(the true adjoint of a sum onto every member is :func:`~distdl.functional.all_sum_reduce`
+again). They are right exactly when what consumes the result is computed *redundantly*, the
+same on every member of the fibre:
+
+- after ``all_sum_reduce_forward`` every member holds the full sum and each computes the same
+  downstream function (e.g. the loss) and calls ``backward`` with the same cotangent; the true
+  adjoint would add those identical cotangents up (a factor of the fibre size), identity does not;
+- ``all_sum_reduce_backward`` marks a replicated input (e.g. a parameter held by every member)
+  entering rank-local computations: each member's gradient is one part of the total, so the
+  backward must sum them.
+
+When each member's downstream computation is different (the usual distributed layer) the true
+adjoint is right; distdl's primitives use it by default.
+
+============================  ==========================================================
+worker                        does
+============================  ==========================================================
+in P_x                        forward/backward as above within its fibre along the axes
+outside P_x                   passes and gets a zero-volume tensor
+============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from distdl.functional.all_sum_reduce import all_sum_reduce, validate
+from distdl.partition import MPIPartition
+
+__all__ = ["all_sum_reduce_forward", "all_sum_reduce_backward"]
+
+
+def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
+                           axes_keep: Iterable[int] | None = None) -> torch.Tensor:
+    """Return the fibre sum of ``x`` (forward: all-sum-reduce; backward: identity)."""
+    axes = validate("all_sum_reduce_forward", x, P_x, axes_reduce, axes_keep)
+    return _Pair.apply(x, all_sum_reduce(x.detach(), P_x, axes), P_x, axes, True)
+
+
+def all_sum_reduce_backward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
+                            axes_keep: Iterable[int] | None = None) -> torch.Tensor:
+    """Return a copy of ``x`` (forward: identity; backward: all-sum-reduce of the gradient)."""
+    axes = validate("all_sum_reduce_backward", x, P_x, axes_reduce, axes_keep)
+    return _Pair.apply(x, x.detach().clone(), P_x, axes, False)
+
+
+class _Pair(torch.autograd.Function):
+    """Return the precomputed forward value ``y``; backward applies the partner's forward."""
+
+    @staticmethod
+    def forward(ctx, x, y, P_x, axes, reduce_in_forward):
+        ctx.P_x, ctx.axes = P_x, axes
+        ctx.reduce_in_forward = reduce_in_forward
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        partner = all_sum_reduce_backward if ctx.reduce_in_forward else all_sum_reduce_forward
+        return partner(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None, None
