@@ -25,7 +25,11 @@ _ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 def buffer(t: torch.Tensor, summed: bool = False) -> list:
-    """Return the mpi4py buffer specification of contiguous ``t``: raw bytes, or typed for a sum."""
+    """Return the mpi4py buffer specification of contiguous ``t``: raw bytes, or typed for a sum.
+
+    The specification holds only the address: keep ``t`` referenced until MPI is done with it
+    (never pass a temporary such as ``buffer(x.contiguous())`` to a non-blocking call).
+    """
     nbytes = t.numel() * t.element_size()
     memory = MPI.buffer.fromaddress(t.data_ptr(), nbytes)
     if summed:

@@ -1,0 +1,146 @@
+"""AllGather: gather the blocks of a fibre along partition axes; every member gets the whole.
+
+Forward ``y_i = concat_{j in fibre(i)} x_j`` (block ``j`` placed at its index along the gathered
+dimensions); adjoint ``x_j = (sum_{i in fibre(j)} y_i)[block j]``, that is
+:func:`~distdl.functional.reduce_scatter.reduce_scatter`.
+
+============================  ===============================================
+worker                        does
+============================  ===============================================
+in P_x, fibre of size > 1     contributes its block ``x``, receives the whole
+in P_x, fibre of size 1       returns a copy of ``x``
+outside P_x                   passes and gets a zero-volume tensor
+============================  ===============================================
+
+Partition axis ``k`` gathers tensor dimension ``k``. Block extents are exchanged every call (a
+small header per member), so a smaller last batch works; they must follow the balanced
+decomposition, which makes :func:`reduce_scatter` the exact adjoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from distdl.backends import mpi as transport
+from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
+                                       decode_header, encode_header, resolve_axes)
+from distdl.functional.all_sum_reduce import fibre
+from distdl.partition import MPIPartition
+from distdl.utilities.slicing import compute_start_index, compute_stop_index
+
+__all__ = ["all_gather"]
+
+
+def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int] | None = None,
+               axes_keep: Iterable[int] | None = None) -> torch.Tensor:
+    """Return the blocks of this worker's fibre of ``P_x`` along ``axes_all_gather``, assembled.
+
+    Args:
+        x: this worker's balanced block; ``x.dim()`` equals ``P_x.dim`` on members.
+        P_x: the partition.
+        axes_all_gather: partition axes to gather along; or give ``axes_keep``, the axes not gathered.
+    Returns:
+        A new tensor (never aliasing ``x``) holding the fibre's blocks; zero-volume outside ``P_x``.
+    Raises:
+        ValueError: axes out of range, both or neither of ``axes_all_gather``/``axes_keep``, a tensor
+            whose dimension differs from ``P_x.dim``, data on a worker outside ``P_x``; and, on every
+            member of the fibre, blocks of differing dtypes or not of a balanced decomposition.
+        TypeError: ``x`` of an unsupported dtype.
+    """
+    where = "all_gather"
+    check_tensor(where, x)
+    check_partition(where, "P_x", P_x)
+    axes = resolve_axes(where, P_x, axes_all_gather, axes_keep, "axes_all_gather")
+    check_idle_input(where, P_x, x)
+    if not P_x.active:
+        return x.clone()
+    check_dim(where, P_x, x)
+    header = encode_header(where, x)
+    P_fibre = fibre(P_x, axes)
+    if P_fibre.size == 1:
+        return x.clone()
+    shapes = exchange_headers(where, P_fibre, header)
+    global_shape = _global_shape(where, P_fibre, axes, shapes)
+    return _AllGather.apply(x, P_x, axes, P_fibre, global_shape)
+
+
+def exchange_headers(where: str, P_fibre: MPIPartition, header: np.ndarray) -> list[tuple[int, ...]]:
+    """Return every member's block shape, in fibre rank order; ValueError on all if dtypes differ."""
+    headers = np.empty((P_fibre.size, HEADER_LENGTH), dtype=np.int64)
+    P_fibre.comm.Allgather(header, headers)
+    decoded = [decode_header(h) for h in headers]
+    for r, (dtype, shape) in enumerate(decoded):
+        if dtype != decoded[0][0]:
+            raise ValueError(f"{where}: expected one dtype on every member of the fibre, got {decoded[0][0]} on "
+                             f"worker {P_fibre.root_ranks[0]} and {dtype} on worker {P_fibre.root_ranks[r]}")
+    return [shape for _, shape in decoded]
+
+
+def block_slices(fibre_shape: Sequence[int], axes: Sequence[int],
+                 global_shape: Sequence[int]) -> list[tuple[slice, ...]]:
+    """Return, in fibre rank order, where each member's balanced block lies in the global tensor."""
+    extents = [global_shape[a] for a in axes]
+    blocks = []
+    for index in np.ndindex(*fibre_shape):
+        start = compute_start_index(fibre_shape, index, extents)
+        stop = compute_stop_index(fibre_shape, index, extents)
+        bounds = {a: slice(int(b), int(e)) for a, b, e in zip(axes, start, stop)}
+        blocks.append(tuple(bounds.get(d, slice(None)) for d in range(len(global_shape))))
+    return blocks
+
+
+def in_rank_order(fibre_shape: Sequence[int], axes: Sequence[int], global_shape: Sequence[int]) -> bool:
+    """Whether the blocks, flattened in fibre rank order, are already the global tensor's layout."""
+    split = [a for a, p in zip(axes, fibre_shape) if p > 1]
+    return len(split) <= 1 and math.prod(global_shape[:split[0] if split else 0]) <= 1
+
+
+def _global_shape(where: str, P_fibre: MPIPartition, axes: tuple[int, ...],
+                  shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Return the gathered shape; ValueError (the same on every member) unless the blocks are balanced."""
+    ranks = np.arange(P_fibre.size).reshape(P_fibre.shape)
+    global_shape = list(shapes[0])
+    for j, a in enumerate(axes):
+        line = ranks[tuple(slice(None) if k == j else 0 for k in range(len(axes)))]
+        global_shape[a] = sum(shapes[r][a] for r in line)
+    for r, block in enumerate(block_slices(P_fibre.shape, axes, global_shape)):
+        expected = tuple(len(range(*s.indices(n))) for s, n in zip(block, global_shape))
+        if shapes[r] != expected:
+            raise ValueError(f"{where}: expected the blocks of a balanced decomposition of a tensor of shape "
+                             f"{tuple(global_shape)}, got shape {shapes[r]} on worker {P_fibre.root_ranks[r]} "
+                             f"(expected {expected})")
+    return tuple(global_shape)
+
+
+class _AllGather(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, P_x, axes, P_fibre, global_shape):
+        ctx.P_x, ctx.axes = P_x, axes
+        blocks = block_slices(P_fibre.shape, axes, global_shape)
+        y = transport.empty(global_shape, x.dtype, x.device)
+        counts = [y[block].numel() for block in blocks]
+        direct = in_rank_order(P_fibre.shape, axes, global_shape)
+        flat = y if direct else transport.empty((sum(counts),), x.dtype, x.device)
+        size = x.element_size()
+        displacements = np.concatenate(([0], np.cumsum(counts)[:-1])) * size
+        send = transport.contiguous(x)  # keep a reference: the buffer spec does not keep the tensor alive
+        memory = transport.buffer(flat)[0]
+        P_fibre.comm.Allgatherv(transport.buffer(send),
+                                [memory, [n * size for n in counts], displacements.tolist(), MPI.BYTE])
+        if not direct:  # unpack: copy each member's block to its place
+            offset = 0
+            for block, n in zip(blocks, counts):
+                y[block] = flat[offset:offset + n].view(y[block].shape)
+                offset += n
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from distdl.functional.reduce_scatter import reduce_scatter
+        return reduce_scatter(grad_y, ctx.P_x, axes_reduce_scatter=ctx.axes), None, None, None, None

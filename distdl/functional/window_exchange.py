@@ -1,0 +1,162 @@
+"""WindowExchange: give every worker an arbitrary window of the global tensor (the general halo).
+
+Forward ``W x``: worker ``j`` gets ``x_global[window_j]``, where ``window_j`` is a box (per tensor
+dimension a ``[start, stop)``) that may overlap other workers' blocks and reach past the global
+edges (zeros there). Adjoint ``W* y``: each worker sends the parts of its window back to the workers
+that hold them, which add them into their blocks (so overlapping windows sum). Windowed layers
+(convolution, pooling, upsampling) use it for halos of any width, also where a block is smaller
+than the halo and data comes from beyond the nearest neighbour.
+
+=========================  ==========================================================
+worker                     does
+=========================  ==========================================================
+in P_x                     sends the parts of its block in others' windows, receives its window
+outside P_x                passes and gets a zero-volume tensor
+=========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from distdl.backends import mpi as transport
+from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
+from distdl.partition import MPIPartition
+from distdl.utilities.slicing import compute_start_index, compute_stop_index
+
+__all__ = ["window_exchange", "window_scatter_add"]
+
+_TAG = 7402
+Windows = tuple[tuple[tuple[int, int], ...], ...]  # per worker of P_x (rank order), per dimension, [start, stop)
+
+
+def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
+                    windows: Windows) -> torch.Tensor:
+    """Return ``x_global[window]`` of this worker's window, zero outside the global tensor.
+
+    Args:
+        x: this worker's balanced block of a global tensor of ``x_global_shape`` over ``P_x``.
+        windows: every worker's window, in ``P_x`` rank order (the same on every worker).
+    Raises:
+        ValueError: wrong dimensionality, a block that does not match ``x_global_shape``,
+            windows of the wrong count or dimension, or data outside ``P_x``.
+    """
+    _check("window_exchange", x, P_x, x_global_shape, windows, "block")
+    return _Window.apply(x, P_x, tuple(x_global_shape), windows, True)
+
+
+def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
+                       windows: Windows) -> torch.Tensor:
+    """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor."""
+    _check("window_scatter_add", y, P_x, x_global_shape, windows, "window")
+    return _Window.apply(y, P_x, tuple(x_global_shape), windows, False)
+
+
+def _check(where, t, P_x, shape, windows, what):
+    check_tensor(where, t)
+    check_partition(where, "P_x", P_x)
+    check_idle_input(where, P_x, t)
+    if not P_x.active:
+        return
+    check_dim(where, P_x, t)
+    if len(windows) != P_x.size or any(len(w) != P_x.dim for w in windows):
+        raise ValueError(f"{where}: expected {P_x.size} windows of {P_x.dim} dimensions, got {len(windows)}")
+    box = _block(P_x, P_x.index, shape) if what == "block" else windows[P_x.rank]
+    expected = tuple(b - a for a, b in box)
+    if tuple(t.shape) != expected:
+        raise ValueError(f"{where}: expected a {what} of shape {expected} on rank {P_x._root.rank}, "
+                         f"got {tuple(t.shape)}")
+
+
+def _block(P_x, index, shape):
+    start = compute_start_index(P_x.shape, index, shape)
+    stop = compute_stop_index(P_x.shape, index, shape)
+    return tuple((int(a), int(b)) for a, b in zip(start, stop))
+
+
+def _overlap(box, other):
+    """Return the slices of ``box`` and ``other`` covering their intersection, or None."""
+    mine, theirs = [], []
+    for (a, b), (c, d) in zip(box, other):
+        lo, hi = max(a, c), min(b, d)
+        if lo >= hi:
+            return None
+        mine.append(slice(lo - a, hi - a))
+        theirs.append(slice(lo - c, hi - c))
+    return tuple(mine), tuple(theirs)
+
+
+def _plan(P_x, shape, windows):
+    """Return ``(sends, receives, copies)``: (peer, block slices, window slices) for this worker."""
+    def build():
+        me = P_x.rank
+        block = _block(P_x, P_x.index, shape)
+        sends, recvs, copies = [], [], []
+        for peer, index in enumerate(itertools.product(*map(range, P_x.shape))):
+            out = _overlap(block, windows[peer])  # my block inside their window
+            if out is not None:
+                (copies if peer == me else sends).append((peer, *out))
+            if peer != me:
+                inward = _overlap(_block(P_x, index, shape), windows[me])  # their block inside my window
+                if inward is not None:
+                    recvs.append((peer, inward[0], inward[1]))
+        return sends, recvs, copies
+    return P_x._memo(("window plan", shape, windows), build)
+
+
+def _exchange(t, P_x, shape, windows, forward):
+    sends, recvs, copies = _plan(P_x, shape, windows)
+    if forward:
+        out = t.new_zeros(tuple(b - a for a, b in windows[P_x.rank]))
+        outgoing = [(peer, block) for peer, block, _ in sends]
+        incoming = [(peer, window) for peer, _, window in recvs]
+    else:
+        out = t.new_zeros(tuple(b - a for a, b in _block(P_x, P_x.index, shape)))
+        outgoing = [(peer, window) for peer, _, window in recvs]
+        incoming = [(peer, block) for peer, block, _ in sends]
+    requests, received = [], []
+    for peer, slices in incoming:
+        buf = transport.empty(out[slices].shape, t.dtype, t.device)
+        received.append((slices, buf))
+        requests.append(P_x.comm.Irecv(transport.buffer(buf), source=peer, tag=_TAG))
+    packed = []
+    for peer, slices in outgoing:
+        packed.append(transport.contiguous(t[slices]))
+        requests.append(P_x.comm.Isend(transport.buffer(packed[-1]), dest=peer, tag=_TAG))
+    for _, block, window in copies:
+        source, target = (block, window) if forward else (window, block)
+        out[target] += t[source]
+    MPI.Request.Waitall(requests)
+    for slices, buf in received:  # forward: disjoint pieces; adjoint: overlapping windows add up
+        out[slices] += buf
+    return out
+
+
+class _Window(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, t, P_x, shape, windows, forward):
+        ctx.args = (P_x, shape, windows)
+        ctx.forward_direction = forward
+        if not P_x.active:
+            return t.clone()
+        return _exchange(t, P_x, shape, windows, forward)
+
+    @staticmethod
+    def backward(ctx, grad):
+        adjoint = window_scatter_add if ctx.forward_direction else window_exchange
+        return adjoint(grad, *ctx.args), None, None, None, None
+
+
+def global_shape(x: torch.Tensor, P_x: MPIPartition) -> tuple[int, ...]:
+    """Return the global shape of the balanced decomposition whose block ``x`` is (one small allgather)."""
+    if not P_x.active:
+        return ()
+    extents = np.empty((P_x.size, P_x.dim), dtype=np.int64)
+    P_x.comm.Allgather(np.asarray(x.shape, dtype=np.int64), extents)
+    index = np.stack(np.unravel_index(np.arange(P_x.size), P_x.shape), axis=1)
+    return tuple(int(extents[(np.delete(index, k, axis=1) == 0).all(axis=1), k].sum()) for k in range(P_x.dim))

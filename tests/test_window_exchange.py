@@ -1,0 +1,72 @@
+"""WindowExchange: arbitrary windows (halos of any width, past the nearest neighbour and the edges)."""
+
+import numpy as np
+import pytest
+import torch
+
+from distdl.functional.window_exchange import global_shape, window_exchange, window_scatter_add
+from distdl.testing import assert_adjoint, random_tensor, scatter
+from distdl.utilities.slicing import compute_start_index, compute_stop_index
+from helpers import sizes
+
+
+def halo_windows(P, shape, left, right):
+    """Every worker's block widened by ``left``/``right`` per dimension (may pass the edges)."""
+    windows = []
+    for index in np.ndindex(*P.shape):
+        start = compute_start_index(P.shape, index, shape)
+        stop = compute_stop_index(P.shape, index, shape)
+        windows.append(tuple((int(a) - l, int(b) + r) for a, b, l, r in zip(start, stop, left, right)))
+    return tuple(windows)
+
+
+def padded_slice(x_global, window):
+    """x_global[window] with zeros outside the tensor (the serial reference)."""
+    pad = [max(0, -a) for a, _ in window]
+    out = torch.zeros([b - a for a, b in window], dtype=x_global.dtype)
+    src = tuple(slice(max(a, 0), min(b, n)) for (a, b), n in zip(window, x_global.shape))
+    dst = tuple(slice(p, p + s.stop - s.start) for p, s in zip(pad, src))
+    out[dst] = x_global[src]
+    return out
+
+
+CASES = {1: [((1,), (5,), (2,), (1,))],
+         2: [((2,), (5,), (1,), (1,)), ((1, 2), (3, 3), (0, 2), (0, 2))],
+         3: [((3,), (4,), (2,), (3,)), ((1, 3), (2, 7), (1, 2), (0, 1))],  # blocks of 1 with a halo of 2-3
+         4: [((2, 2), (5, 3), (1, 2), (2, 1)), ((1, 2, 2), (2, 3, 4), (0, 1, 1), (0, 1, 1))]}
+
+
+@sizes(1, 2, 3, 4)
+def test_forward_and_adjoint(P_world, comm):
+    for P_shape, shape, left, right in CASES[comm.size]:
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        x_global = random_tensor(shape, seed=3)
+        windows = halo_windows(P_x, shape, left, right)
+        x = scatter(x_global, P_x)
+        assert global_shape(x, P_x) == shape
+        y = window_exchange(x, P_x, shape, windows)
+        torch.testing.assert_close(y, padded_slice(x_global, windows[P_x.rank]), rtol=0, atol=0)
+        assert_adjoint(lambda t: window_exchange(t, P_x, shape, windows), random_tensor(x.shape, seed=comm.rank), comm)
+        # The adjoint adds overlapping windows: the sum of all windows' ones counts the coverage.
+        ones = torch.ones(y.shape, dtype=torch.float64)
+        count = window_scatter_add(ones, P_x, shape, windows)
+        coverage = torch.zeros(shape, dtype=torch.float64)
+        for w in windows:
+            coverage += padded_slice(torch.ones(shape, dtype=torch.float64), w).new_ones(()) * 0  # shape check only
+            src = tuple(slice(max(a, 0), min(b, n)) for (a, b), n in zip(w, shape))
+            coverage[src] += 1
+        torch.testing.assert_close(count, scatter(coverage, P_x), rtol=0, atol=0)
+
+
+@sizes(3)
+def test_inactive_and_errors(P_world, comm):
+    P_x = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition([2])
+    shape = (4,)
+    windows = halo_windows(P_x, shape, (1,), (1,))
+    x = scatter(random_tensor(shape, seed=1), P_x) if P_x.active else torch.zeros(0, dtype=torch.float64)
+    assert_adjoint(lambda t: window_exchange(t, P_x, shape, windows), x, comm)
+    if P_x.active:
+        with pytest.raises(ValueError, match=r"window_exchange: expected a block of shape \(2,\) on rank \d, got \(3,\)"):
+            window_exchange(torch.ones(3), P_x, shape, windows)
+        with pytest.raises(ValueError, match="window_exchange: expected 2 windows of 1 dimensions, got 1"):
+            window_exchange(x, P_x, shape, windows[:1])
