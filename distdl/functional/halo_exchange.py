@@ -1,0 +1,211 @@
+"""HaloExchange: fill each worker's ghost regions from its neighbours' interiors.
+
+Forward, dimension by dimension (d = 0, 1, ...): ``y = x`` except ``y[ghost_d] = neighbour's y[send_d]``.
+Adjoint, dimensions in reverse: ``x' = y'`` except ``x'[send_d] += neighbour's y'[ghost_d]``, ``x'[ghost_d] = 0``.
+
+Along dimension ``d`` (extent ``n``, halo ``[h_l, h_r]``, recv ``[r_l, r_r]``, send ``[s_l, s_r]``) every
+slab spans the full current extent of the other dimensions, so corners arrive through the edges:
+
+===========  ==============================  ====================================
+slab         indices along d                 forward
+===========  ==============================  ====================================
+left send    ``[h_l, h_l + s_l)``            sent to the left neighbour
+right send   ``[n - h_r - s_r, n - h_r)``    sent to the right neighbour
+left ghost   ``[h_l - r_l, h_l)``            overwritten from the left neighbour
+right ghost  ``[n - h_r, n - h_r + r_r)``    overwritten from the right neighbour
+===========  ==============================  ====================================
+
+============================  ==========================================================
+worker                        does
+============================  ==========================================================
+in P_x, with neighbours       exchanges slabs with each neighbour, one dimension at a time
+in P_x, at a grid edge        nothing on the open side; those ghosts keep ``x``'s values
+in P_x of size 1              returns a copy of ``x`` (adjoint: a copy of the gradient)
+outside P_x                   passes and gets a zero-volume tensor
+============================  ==========================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from distdl.backends import mpi as transport
+from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
+from distdl.partition import MPIPartition
+
+__all__ = ["halo_exchange", "halo_exchange_adjoint"]
+
+Widths = Sequence[Sequence[int]] | np.ndarray | torch.Tensor  # (P_x.dim, 2): [left, right] per dimension
+
+_TAG = 0x4841  # base tag; a message travelling right along dimension d has tag _TAG + 2d, left _TAG + 2d + 1
+_MAX_SCRATCH = 64  # pack/unpack buffers cached per partition (per slab shape, dtype and device)
+
+
+def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None, recv_buffer_shape: Widths | None,
+                  send_buffer_shape: Widths | None) -> torch.Tensor:
+    """Return a copy of ``x`` whose ghost regions are filled from the neighbours' interiors.
+
+    Args:
+        x: this worker's block padded with ghosts of ``halo_shape``.
+        P_x: the Cartesian partition of ``x`` (``x.dim() == P_x.dim``).
+        halo_shape, recv_buffer_shape, send_buffer_shape: integer arrays of shape ``(P_x.dim, 2)``:
+            per dimension ``[left, right]`` ghost widths in ``x``, ghost widths filled from each
+            neighbour (``<= halo_shape``), interior widths sent to each neighbour. Ignored outside ``P_x``.
+    Returns:
+        A new tensor of ``x``'s shape and dtype; zero-volume outside ``P_x``.
+    Raises:
+        TypeError: ``x`` not a tensor, ``P_x`` not a partition, non-integer widths.
+        ValueError: widths of the wrong shape, negative, not fitting in ``x``; ``x`` of the wrong
+            dimension; data on a worker outside ``P_x``; neighbours that disagree on a slab's size.
+    """
+    widths = _validate("halo_exchange", x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
+    if not P_x.active:
+        return x.clone()
+    return _HaloExchange.apply(x, P_x, widths)
+
+
+def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
+                          recv_buffer_shape: Widths | None, send_buffer_shape: Widths | None) -> torch.Tensor:
+    """Return the adjoint of :func:`halo_exchange` applied to ``y``: ghosts sent back and added to their owners.
+
+    Arguments, returns and errors are those of :func:`halo_exchange`; sums of float16/bfloat16
+    are carried (and sent) in float32, and bool raises ``TypeError``.
+    """
+    widths = _validate("halo_exchange_adjoint", y, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
+    transport.reduction_dtype("halo_exchange_adjoint", y.dtype)
+    if not P_x.active:
+        return y.clone()
+    return _HaloExchangeAdjoint.apply(y, P_x, widths)
+
+
+def _as_widths(where: str, name: str, value, dim: int) -> tuple[tuple[int, int], ...]:
+    try:
+        array = np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{where}: expected an integer array of shape ({dim}, 2) for {name}, got {value!r}") from error
+    if array.shape != (dim, 2):
+        raise ValueError(f"{where}: expected {name} of shape ({dim}, 2), got shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{where}: expected integers for {name}, got dtype {array.dtype}")
+    if (array < 0).any():
+        raise ValueError(f"{where}: expected non-negative {name}, got {array.tolist()}")
+    return tuple((int(left), int(right)) for left, right in array)
+
+
+def _validate(where, x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape):
+    check_tensor(where, x)
+    check_partition(where, "P_x", P_x)
+    check_idle_input(where, P_x, x)
+    if not P_x.active:
+        return None
+    check_dim(where, P_x, x)
+    names = ("halo_shape", "recv_buffer_shape", "send_buffer_shape")
+    halo, recv, send = (_as_widths(where, name, value, P_x.dim)
+                        for name, value in zip(names, (halo_shape, recv_buffer_shape, send_buffer_shape)))
+    worker = P_x._root.rank
+    for d, n in enumerate(x.shape):
+        interior = n - sum(halo[d])
+        if interior < 0:
+            raise ValueError(f"{where}: expected halo_shape[{d}] to fit in extent {n} of dimension {d} of x on "
+                             f"worker {worker}, got {list(halo[d])}")
+        if recv[d][0] > halo[d][0] or recv[d][1] > halo[d][1]:
+            raise ValueError(f"{where}: expected recv_buffer_shape[{d}] <= halo_shape[{d}] = {list(halo[d])} on "
+                             f"worker {worker}, got {list(recv[d])}")
+        if max(send[d]) > interior:
+            raise ValueError(f"{where}: worker {worker} holds {interior} interior slices along dimension {d}; "
+                             f"expected send_buffer_shape[{d}] of at most {interior}, got {list(send[d])}")
+    return halo, recv, send
+
+
+class _HaloExchange(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, P_x, widths):
+        ctx.P_x, ctx.widths = P_x, widths
+        y = x.clone(memory_format=torch.contiguous_format)
+        _exchange("halo_exchange", y, P_x, widths, adjoint=False)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return halo_exchange_adjoint(grad_y, ctx.P_x, *ctx.widths), None, None
+
+
+class _HaloExchangeAdjoint(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y, P_x, widths):
+        ctx.P_x, ctx.widths = P_x, widths
+        x = y.to(transport.reduction_dtype("halo_exchange_adjoint", y.dtype), memory_format=torch.contiguous_format,
+                 copy=True)
+        _exchange("halo_exchange_adjoint", x, P_x, widths, adjoint=True)
+        return x.to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_x):
+        return halo_exchange(grad_x, ctx.P_x, *ctx.widths), None, None
+
+
+def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: bool) -> None:
+    """Run the forward (or adjoint) exchange in place on ``t``, a contiguous tensor this call owns."""
+    halo, recv, send = widths
+    for d in reversed(range(t.dim())) if adjoint else range(t.dim()):
+        n = t.shape[d]
+        ghost = ((halo[d][0] - recv[d][0], recv[d][0]), (n - halo[d][1], recv[d][1]))
+        interior = ((halo[d][0], send[d][0]), (n - halo[d][1] - send[d][1], send[d][1]))
+        outgoing, incoming = (ghost, interior) if adjoint else (interior, ghost)
+        requests, arrivals = [], []
+        for side, peer in enumerate(neighbors(P_x)[d]):
+            if peer == MPI.PROC_NULL:
+                continue
+            out, into = t.narrow(d, *outgoing[side]), t.narrow(d, *incoming[side])
+            packed = out if out.is_contiguous() else _scratch(P_x, out, ("out", side)).copy_(out)
+            arrival = into if into.is_contiguous() and not adjoint else _scratch(P_x, into, ("in", side))
+            if t.is_cuda:  # MPI reads the memory directly: let the packing kernels finish first
+                torch.cuda.current_stream(t.device).synchronize()
+            requests.append(P_x.comm.Irecv(transport.buffer(arrival), source=peer, tag=_TAG + 2 * d + 1 - side))
+            requests.append(P_x.comm.Isend(transport.buffer(packed), dest=peer, tag=_TAG + 2 * d + side))
+            arrivals.append((side, peer, into, arrival))
+        _wait(where, P_x, d, requests, arrivals)
+        for side, _, into, arrival in arrivals:
+            if adjoint:
+                into.add_(arrival)
+                t.narrow(d, *ghost[side]).zero_()
+            elif arrival is not into:
+                into.copy_(arrival)
+
+
+def neighbors(P_x: MPIPartition) -> tuple[tuple[int, int], ...]:
+    """Return this worker's (left, right) neighbours per axis of ``P_x`` (``MPI.PROC_NULL`` at edges), built once."""
+    return P_x._memo("halo_exchange_neighbors", lambda: tuple(P_x.neighbor_ranks(P_x.rank)))
+
+
+def _wait(where, P_x, d, requests, arrivals) -> None:
+    """Complete one dimension's messages; a neighbour that sent a slab of another size is a ValueError."""
+    statuses = [MPI.Status() for _ in requests]
+    try:
+        MPI.Request.Waitall(requests, statuses)
+    except MPI.Exception as error:
+        raise ValueError(f"{where}: expected the neighbours of worker {P_x._root.rank} along dimension {d} to send "
+                         f"slabs of the sizes it receives, got an MPI error: {error}") from error
+    for (side, peer, _, arrival), status in zip(arrivals, statuses[::2]):
+        got = status.Get_count(MPI.BYTE)
+        if got != arrival.numel() * arrival.element_size():
+            raise ValueError(f"{where}: expected {arrival.numel()} elements on worker {P_x._root.rank} from its "
+                             f"{('left', 'right')[side]} neighbour (rank {peer} of P_x) along dimension {d}, got "
+                             f"{got // arrival.element_size()}")
+
+
+def _scratch(P_x: MPIPartition, like: torch.Tensor, slot) -> torch.Tensor:
+    """Return a cached contiguous buffer shaped like ``like`` (one per slot, shape, dtype and device)."""
+    cache = P_x._memo("halo_exchange_scratch", dict)
+    key = (tuple(like.shape), like.dtype, like.device, slot)
+    if key not in cache:
+        if len(cache) >= _MAX_SCRATCH:
+            cache.clear()
+        cache[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return cache[key]
