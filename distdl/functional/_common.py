@@ -86,3 +86,23 @@ def decode_header(header) -> tuple[torch.dtype, tuple[int, ...]]:
 def empty_header():
     import numpy as np
     return np.full(HEADER_LENGTH, -1, dtype=np.int64)
+
+
+def check_flags(where: str, **flags: object) -> tuple[bool, ...]:
+    """Return the named flags as bools; TypeError for anything that is not a bool."""
+    import numpy as np
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{where}: expected a bool for {name}, got {value!r}")
+    return tuple(bool(value) for value in flags.values())
+
+
+def grad_like_connected(grad: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
+    """Return ``grad`` shaped as its input like :func:`grad_like`, keeping the autograd graph.
+
+    A zero-volume gradient for a zero-volume input is reshaped rather than replaced, so double
+    backward reaches every worker (a fresh ``new_zeros`` would have no ``grad_fn``).
+    """
+    if grad.shape != x_shape and grad.numel() == 0 and 0 in tuple(x_shape):
+        return grad.reshape(x_shape)
+    return grad_like(grad, x_shape)

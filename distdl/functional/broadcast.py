@@ -1,0 +1,128 @@
+"""Broadcast: copy each block of P_x to the workers of P_y it broadcasts to.
+
+Forward ``y_j = x_{s(j)}``, where worker ``s(j)`` of ``P_x`` is the one whose index broadcasts to
+index ``j`` of ``P_y`` (NumPy rules on the partition shapes); adjoint ``x_i = sum_{j: s(j)=i} y_j``,
+:func:`~distdl.functional.sum_reduce.sum_reduce` from ``P_y`` back to ``P_x``.
+
+==========================  ===========================================================
+worker                      does
+==========================  ===========================================================
+in P_x only                 sends ``x`` to its workers of P_y, returns a zero-volume tensor
+in P_y only                 receives its source's block and returns it
+in P_x and P_y              sends ``x`` to the workers it feeds and returns its own source's
+                            block (a copy of ``x`` when it feeds itself)
+in neither                  passes and gets a zero-volume tensor
+==========================  ===========================================================
+
+Receivers learn dtype and shape from a small header broadcast first, so the same layer works
+when the block shape changes between calls. A worker that sends in one group and receives in
+another posts both broadcasts non-blocking, so no order of groups can deadlock.
+"""
+
+from __future__ import annotations
+
+import torch
+from mpi4py import MPI
+
+from distdl.backends import mpi as transport
+from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, decode_header,
+                                       empty_header, encode_header, grad_like_connected, zero_volume_like)
+from distdl.partition import MPIPartition
+
+__all__ = ["broadcast"]
+
+
+def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool = False,
+              transpose_dest: bool = False, preserve_batch: bool = True) -> torch.Tensor:
+    """Return the block of ``P_x`` that broadcasts to this worker of ``P_y``.
+
+    Args:
+        x: this worker's block (a zero-volume tensor outside ``P_x``).
+        P_x: the source partition.
+        P_y: the destination partition; ``P_x``'s shape must broadcast to it.
+        transpose_src: read ``P_x``'s shape (and grid) reversed.
+        transpose_dest: read ``P_y``'s shape (and grid) reversed.
+        preserve_batch: keep ``x``'s first extent in zero-volume outputs, ``(b, 0)``.
+    Returns:
+        A new tensor (never aliasing ``x``); zero-volume outside ``P_y``.
+    Raises:
+        ValueError: partitions that do not broadcast, or data on a worker outside ``P_x``.
+        TypeError: wrong argument types, or a dtype that cannot be sent.
+    """
+    where = "broadcast"
+    check_tensor(where, x)
+    transpose_src, transpose_dest, preserve_batch = check_flags(
+        where, transpose_src=transpose_src, transpose_dest=transpose_dest, preserve_batch=preserve_batch)
+    check_broadcastable(where, P_x, P_y, transpose_src, transpose_dest)
+    header = encode_header(where, x)
+    check_idle_input(where, P_x, x)
+    P_send, P_recv = broadcast_plan(P_x, P_y, transpose_src, transpose_dest)
+    if not (P_send.active or P_recv.active):
+        return x.clone()
+    return _Broadcast.apply(x, P_x, P_y, (transpose_src, transpose_dest, preserve_batch), header, P_send, P_recv)
+
+
+def check_broadcastable(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
+                        transpose_dest: bool, names: tuple[str, str] = ("P_x", "P_y")) -> None:
+    """Raise ValueError unless ``P_src``'s shape broadcasts to ``P_dest``'s (NumPy rules)."""
+    check_partition(where, names[0], P_src)
+    check_partition(where, names[1], P_dest)
+    if P_src._root is not P_dest._root and MPI.Comm.Compare(P_src._root, P_dest._root) != MPI.IDENT:
+        raise ValueError(f"{where}: expected {names[0]} and {names[1]} derived from the same root partition, "
+                         "got different roots")
+    src = P_src.shape[::-1] if transpose_src else P_src.shape
+    dest = P_dest.shape[::-1] if transpose_dest else P_dest.shape
+    padded = (1,) * (len(dest) - len(src)) + src
+    if len(src) > len(dest) or any(s not in (1, d) for s, d in zip(padded, dest)):
+        raise ValueError(f"{where}: expected the shape of {names[0]}{' (reversed)' if transpose_src else ''} to "
+                         f"broadcast to the shape of {names[1]}{' (reversed)' if transpose_dest else ''}, "
+                         f"got {P_src.shape} and {P_dest.shape}")
+
+
+def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
+                   transpose_dest: bool) -> tuple[MPIPartition, MPIPartition]:
+    """Return ``(P_send, P_recv)`` for broadcasting ``P_src`` onto ``P_dest``, built once per pair.
+
+    SumReduce from ``P_dest`` to ``P_src`` uses the same groups, so a layer and its adjoint share them.
+    """
+    key = ("broadcast", P_dest, transpose_src, transpose_dest)
+    return P_src._memo(key, lambda: P_src.create_broadcast_partition_to(P_dest, transpose_src, transpose_dest))
+
+
+class _Broadcast(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, P_x, P_y, flags, header, P_send, P_recv):
+        ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape = P_x, P_y, flags, x.shape
+        feeds_itself = P_recv.active and P_recv is P_send
+        sending = P_send.active and P_send.size > 1
+        receiving = P_recv.active and not feeds_itself
+        # Header round: every receiver learns what arrives.
+        incoming = empty_header()
+        requests = [P_send.comm.Ibcast(header, root=0)] if sending else []
+        if receiving:
+            requests.append(P_recv.comm.Ibcast(incoming, root=0))
+        MPI.Request.Waitall(requests)
+        # Data round, straight from and into tensor memory.
+        requests = []
+        if sending:
+            x_send = transport.contiguous(x)
+            requests.append(P_send.comm.Ibcast(transport.buffer(x_send), root=0))
+        if receiving:
+            dtype, shape = decode_header(incoming)
+            y = transport.empty(shape, dtype, x.device)
+            requests.append(P_recv.comm.Ibcast(transport.buffer(y), root=0))
+        MPI.Request.Waitall(requests)
+        if feeds_itself:
+            return x.clone()
+        if receiving:
+            return y
+        return zero_volume_like(x, flags[2])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        from distdl.functional.sum_reduce import sum_reduce  # the adjoints refer to each other
+        transpose_src, transpose_dest, preserve_batch = ctx.flags
+        grad_x = sum_reduce(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest, transpose_dest=transpose_src,
+                            preserve_batch=preserve_batch)
+        return grad_like_connected(grad_x, ctx.x_shape), None, None, None, None, None, None

@@ -1,0 +1,27 @@
+"""Broadcast as a module; see :func:`distdl.functional.broadcast`."""
+
+from __future__ import annotations
+
+import torch
+
+from distdl.functional._common import check_flags
+from distdl.functional.broadcast import broadcast, broadcast_plan, check_broadcastable
+from distdl.partition import MPIPartition
+
+__all__ = ["Broadcast"]
+
+
+class Broadcast(torch.nn.Module):
+    """Copy each block of ``P_x`` to the workers of ``P_y`` it broadcasts to; backward: SumReduce(P_y, P_x)."""
+
+    def __init__(self, P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool = False,
+                 transpose_dest: bool = False, preserve_batch: bool = True) -> None:
+        super().__init__()
+        self.transpose_src, self.transpose_dest, self.preserve_batch = check_flags(
+            "Broadcast", transpose_src=transpose_src, transpose_dest=transpose_dest, preserve_batch=preserve_batch)
+        check_broadcastable("Broadcast", P_x, P_y, self.transpose_src, self.transpose_dest)
+        self.P_x, self.P_y = P_x, P_y
+        broadcast_plan(P_x, P_y, self.transpose_src, self.transpose_dest)  # the communicators are built here, once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return broadcast(x, self.P_x, self.P_y, self.transpose_src, self.transpose_dest, self.preserve_batch)
