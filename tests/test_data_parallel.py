@@ -1,0 +1,275 @@
+"""Data-parallel gradient synchronisation: full-batch equivalence, fibres, buckets, hooks, errors."""
+
+import numpy as np
+import pytest
+import torch
+
+from distdl.nn.all_sum_reduce import AllSumReduce
+from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
+from distdl.testing import random_tensor
+from helpers import sizes
+
+TINY_CAP = 1e-5  # megabytes: every parameter gets its own bucket
+
+
+def _mlp(seed, dtype=torch.float64):
+    """A small MLP whose weights are drawn from ``seed``."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5), torch.nn.ReLU(),
+                                torch.nn.Linear(5, 3)).to(dtype)
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.copy_(random_tensor(p.shape, seed=1000 * seed + k))
+    return model
+
+
+def _batch(n, seed):
+    return random_tensor((n, 4), seed=seed), random_tensor((n, 3), seed=seed + 1)
+
+
+def _rows(n, parts, part):
+    """The balanced block ``part`` of ``n`` rows split ``parts`` ways."""
+    start = part * (n // parts) + min(part, n % parts)
+    return slice(start, start + n // parts + (part < n % parts))
+
+
+def _grads(model, x, y, mean=False):
+    """Return the gradients of the summed (or mean) squared error of ``model`` on ``(x, y)``."""
+    model.zero_grad(set_to_none=True)
+    loss = ((model(x) - y) ** 2).sum(dim=1)
+    (loss.mean() if mean else loss.sum()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _step(model, x, y, mean=False):
+    model.zero_grad(set_to_none=True)
+    loss = ((model(x) - y) ** 2).sum(dim=1)
+    (loss.mean() if mean else loss.sum()).backward()
+
+
+def _assert_grads(model, expected, exact=False):
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-12, atol=1e-12)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, **tol)
+
+
+@sizes(1, 2, 3, 4)
+def test_sum_equals_full_batch(P_world, comm):
+    n = 7  # uneven at 3 and 4 ranks
+    x, y = _batch(n, seed=3)
+    expected = _grads(_mlp(0), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+    for cap in (TINY_CAP, 25):
+        model = _mlp(0)
+        _step(model, x[rows], y[rows])
+        all_reduce_gradients(model, P_world, op="sum", bucket_cap_mb=cap)
+        _assert_grads(model, expected)
+        reference = [p.grad.clone() for p in model.parameters()]
+        # DataParallel: the same buckets, reduced during backward; bit-identical, and again on a second step.
+        wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=cap, op="sum")
+        assert len(wrapped._buckets) == (6 if cap == TINY_CAP else 1)
+        for _ in range(2):
+            _step(wrapped, x[rows], y[rows])
+            _assert_grads(wrapped, reference, exact=True)
+        if comm.size > 1:  # reductions start during backward, before it reaches the input
+            started = []
+            x_local = x[rows].clone().requires_grad_()
+            x_local.register_hook(lambda grad: started.append(wrapped._next))
+            _step(wrapped, x_local, y[rows])
+            assert started[0] >= (4 if cap == TINY_CAP else 0)
+            _assert_grads(wrapped, reference, exact=True)
+
+
+@sizes(2, 4)
+def test_avg_equals_full_batch_mean(P_world, comm):
+    local = 3
+    x, y = _batch(local * comm.size, seed=5)
+    expected = _grads(_mlp(1), x, y, mean=True)
+    rows = slice(local * comm.rank, local * (comm.rank + 1))
+    model = _mlp(1)
+    _step(model, x[rows], y[rows], mean=True)
+    all_reduce_gradients(model, P_world)  # op="avg" by default
+    _assert_grads(model, expected)
+    wrapped = DataParallel(_mlp(1), P_world, bucket_cap_mb=TINY_CAP)
+    _step(wrapped, x[rows], y[rows], mean=True)
+    _assert_grads(wrapped, expected)
+
+
+@sizes(4)
+def test_fibres_of_a_grid(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition([2, 2])
+    P_dp = P_x.create_subpartition([0])  # workers sharing index[1]
+    batches = {index: _batch(2 + index[0] + 2 * index[1], seed=10 * index[0] + index[1]) for index in np.ndindex(2, 2)}
+    fibre = [batches[(i, P_x.index[1])] for i in range(2)]
+    expected = _grads(_mlp(2), torch.cat([b[0] for b in fibre]), torch.cat([b[1] for b in fibre]))
+    for sync in ("function", "module"):
+        model = _mlp(2) if sync == "function" else DataParallel(_mlp(2), P_dp, bucket_cap_mb=TINY_CAP, op="sum")
+        _step(model, *batches[P_x.index])
+        if sync == "function":
+            all_reduce_gradients(model, P_dp, op="sum")
+        _assert_grads(model, expected)
+    # Two axes of a three-dimensional grid, flattened into one reduction over all four workers.
+    P_3 = P_world.create_cartesian_topology_partition([1, 2, 2])
+    P_two_axes = P_3.create_subpartition([1, 2])
+    model = _mlp(2)
+    _step(model, *batches[P_3.index[1:]])
+    all_reduce_gradients(model, P_two_axes, op="sum", bucket_cap_mb=TINY_CAP)
+    everything = [batches[i] for i in sorted(batches)]
+    _assert_grads(model, _grads(_mlp(2), torch.cat([b[0] for b in everything]), torch.cat([b[1] for b in everything])))
+
+
+@sizes(4)
+def test_hybrid_model_and_data_parallel(P_world, comm):
+    # Input features split over axis 1 (model parallel: a distdl sum joins the partial products),
+    # the batch over axis 0 (data parallel: each weight shard is synchronised along axis 0).
+    P_x = P_world.create_cartesian_topology_partition([2, 2])
+    i, j = P_x.index
+    x, y = _batch(5, seed=60)
+    weight = random_tensor((3, 4), seed=61)
+    reference = torch.nn.Linear(4, 3, bias=False).double()
+    with torch.no_grad():
+        reference.weight.copy_(weight)
+    expected = _grads(reference, x, y)[0][:, 2 * j:2 * j + 2]
+    for sync in ("function", "module"):
+        shard = torch.nn.Linear(2, 3, bias=False).double()
+        with torch.no_grad():
+            shard.weight.copy_(weight[:, 2 * j:2 * j + 2])
+        model = torch.nn.Sequential(shard, AllSumReduce(P_x, axes_reduce=[1]))
+        P_dp = P_x.create_subpartition([0])
+        if sync == "module":
+            model = DataParallel(model, P_dp, op="sum")
+        rows = _rows(5, 2, i)
+        out = model(x[rows, 2 * j:2 * j + 2])
+        (((out - y[rows]) ** 2).sum() * (j == 0)).backward()  # the loss is counted once per row
+        if sync == "function":
+            all_reduce_gradients(model, P_dp, op="sum")
+        torch.testing.assert_close(shard.weight.grad, expected)
+
+
+@sizes(2, 3)
+def test_wrap_broadcasts_parameters_and_buffers(P_world, comm):
+    model = _mlp(seed=20 + comm.rank)  # replicas start different on purpose
+    model.register_buffer("steps", torch.tensor([comm.rank + 5]))
+    wrapped = DataParallel(model, P_world)
+    for p, q in zip(wrapped.parameters(), _mlp(seed=20).parameters()):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+    assert model.steps.item() == 5
+    assert wrapped.module is model
+
+
+class _Branchy(torch.nn.Module):
+    """``extra`` is used only where ``use_extra``; ``unused`` never."""
+
+    def __init__(self, use_extra):
+        super().__init__()
+        self.use_extra = use_extra
+        self.weight = torch.nn.Parameter(random_tensor((3,), seed=1))
+        self.extra = torch.nn.Parameter(random_tensor((3,), seed=2))
+        self.unused = torch.nn.Parameter(random_tensor((2,), seed=3))
+
+    def forward(self, x):
+        return (x * self.weight * (self.extra if self.use_extra else 1)).sum()
+
+
+@sizes(2, 3)
+def test_parameter_without_gradient(P_world, comm):
+    x = random_tensor((3,), seed=30 + comm.rank)
+    weight, extra = random_tensor((3,), seed=1), random_tensor((3,), seed=2)
+    factor = [extra if r == 0 else 1 for r in range(comm.size)]
+    expected_weight = sum(random_tensor((3,), seed=30 + r) * factor[r] for r in range(comm.size))
+    expected_extra = random_tensor((3,), seed=30) * weight  # only rank 0 had one: the others count as zeros
+    for cap in (TINY_CAP, 25):
+        for sync in ("function", "module"):
+            model = _Branchy(use_extra=comm.rank == 0)
+            if sync == "module":
+                model = DataParallel(model, P_world, bucket_cap_mb=cap, op="sum")
+            model(x).backward()
+            if sync == "function":
+                all_reduce_gradients(model, P_world, op="sum", bucket_cap_mb=cap)
+            inner = model.module if sync == "module" else model
+            torch.testing.assert_close(inner.weight.grad, expected_weight)
+            torch.testing.assert_close(inner.extra.grad, expected_extra)
+            assert inner.unused.grad is None  # no worker had one
+
+
+@sizes(3)
+def test_workers_outside_P_do_nothing(P_world, comm):
+    P = P_world.create_partition_inclusive([0, 1])
+    x, y = _batch(4, seed=40 + comm.rank)
+    expected = _grads(_mlp(4), *(torch.cat(t) for t in zip(_batch(4, 40), _batch(4, 41))))
+    model = _mlp(4)
+    local = _grads(model, x, y)
+    all_reduce_gradients(model, P, op="sum")
+    _assert_grads(model, expected if P.active else local, exact=not P.active)
+    wrapped = DataParallel(_mlp(seed=4 + comm.rank), P, op="sum")  # rank 2 keeps its own weights
+    _step(wrapped, x, y)
+    if P.active:
+        _assert_grads(wrapped, expected)
+    else:
+        _assert_grads(wrapped, _grads(_mlp(6), x, y), exact=True)
+        wrapped.wait()  # nothing outstanding: a no-op
+
+
+@sizes(2, 3)
+def test_dtypes_and_layouts(P_world, comm):
+    n = comm.size
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    model.b = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    model.c = torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float32))
+    model.d = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex128))
+    model.frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    for p in (model.a, model.b):  # 256 + 0.5 + 0.5 is exact in fp32, not summed pairwise in fp16
+        p.grad = torch.full((2,), 256.0 if comm.rank == 0 else 0.5, dtype=p.dtype)
+    model.c.grad = (torch.arange(9.0).reshape(3, 3) + comm.rank).t()  # non-contiguous
+    model.d.grad = torch.tensor([1 + 2j, comm.rank * 1j], dtype=torch.complex128)
+    all_reduce_gradients(model, P_world, op="sum", bucket_cap_mb=TINY_CAP)
+    for p in (model.a, model.b):
+        assert p.grad.dtype == p.dtype
+        assert p.grad.tolist() == [torch.tensor(256.0 + 0.5 * (n - 1)).to(p.dtype).item()] * 2
+    torch.testing.assert_close(model.c.grad, (n * torch.arange(9.0).reshape(3, 3) + sum(range(n))).t())
+    torch.testing.assert_close(model.d.grad, torch.tensor([n * (1 + 2j), sum(range(n)) * 1j], dtype=torch.complex128))
+    assert model.frozen.grad is None
+    all_reduce_gradients(model, P_world, op="avg")
+    torch.testing.assert_close(model.c.grad, (n * torch.arange(9.0).reshape(3, 3) + sum(range(n))).t())
+
+
+@sizes(2)
+def test_no_sync_accumulates_locally(P_world, comm):
+    x, y = _batch(2, seed=50 + comm.rank)
+    wrapped = DataParallel(_mlp(5), P_world, op="sum")
+    with wrapped.no_sync():
+        _step(wrapped, x, y)
+    _assert_grads(wrapped, _grads(_mlp(5), x, y), exact=True)
+    loss = ((wrapped(x) - y) ** 2).sum()
+    loss.backward()  # accumulates onto the local gradient, then reduces the total
+    expected = _grads(_mlp(5), *(torch.cat(t) for t in zip(_batch(2, 50), _batch(2, 51))))
+    _assert_grads(wrapped, [2 * g for g in expected])
+
+
+@sizes(1, 2)
+def test_errors(P_world, comm):
+    model = _mlp(0)
+    with pytest.raises(ValueError, match=r"all_reduce_gradients: expected op in \['avg', 'sum'\], got 'mean'"):
+        all_reduce_gradients(model, P_world, op="mean")
+    with pytest.raises(ValueError, match=r"DataParallel: expected op in \['avg', 'sum'\], got 'max'"):
+        DataParallel(model, P_world, op="max")
+    with pytest.raises(TypeError, match="all_reduce_gradients: expected a torch.nn.Module, got Tensor"):
+        all_reduce_gradients(torch.ones(2), P_world)
+    with pytest.raises(TypeError, match="DataParallel: expected a torch.nn.Module, got list"):
+        DataParallel([model], P_world)
+    with pytest.raises(TypeError, match="all_reduce_gradients: expected an MPIPartition for P, got Intracomm"):
+        all_reduce_gradients(model, comm)
+    with pytest.raises(ValueError, match="DataParallel: expected a positive bucket_cap_mb, got 0"):
+        DataParallel(model, P_world, bucket_cap_mb=0)
+    sparse = torch.nn.Embedding(4, 2, sparse=True)
+    sparse(torch.tensor([1])).sum().backward()
+    with pytest.raises(TypeError, match="all_reduce_gradients: expected dense gradients, got a torch.sparse_coo"):
+        all_reduce_gradients(sparse, P_world)
+    if comm.size > 1:  # replicas that disagree are named on every worker instead of hanging
+        odd = torch.nn.Linear(3, 2 if comm.rank == 0 else 3)
+        with pytest.raises(ValueError, match=r"all_reduce_gradients: expected the same parameters \(dtypes, "
+                                             r"shapes, order\) on every worker of P, got a different layout on "
+                                             r"P ranks \[1\] than on P rank 0"):
+            all_reduce_gradients(odd, P_world)
+        with pytest.raises(ValueError, match=r"DataParallel: expected the same parameters"):
+            DataParallel(odd, P_world)
