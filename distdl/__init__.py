@@ -1,7 +1,21 @@
-"""distdl: distributed deep learning over MPI with exact-adjoint data movement."""
+"""distdl: distributed deep learning over MPI with exact-adjoint data movement.
 
+Importing distdl writes nothing: it logs through ``logging.getLogger("distdl")`` (a
+``NullHandler``; attach your own handler to see the messages), and it installs the hooks of
+:mod:`distdl.abort` so that an uncaught exception on any rank ends the whole MPI job (opt out with
+``DISTDL_ABORT_ON_ERROR=0``). Check mode (:mod:`distdl.checks`; ``DISTDL_CHECK=1`` or
+:func:`set_check_mode`) makes every collective first verify that all its ranks agree on the call.
+"""
+
+import logging
+
+from distdl import abort
+from distdl.checks import CollectiveMismatchError, check_mode, checking, set_check_mode
 from distdl.partition import MPIPartition
 
-__all__ = ["MPIPartition", "__version__"]
+__all__ = ["MPIPartition", "CollectiveMismatchError", "check_mode", "checking", "set_check_mode", "__version__"]
 
 __version__ = "0.1.0"
+
+logging.getLogger("distdl").addHandler(logging.NullHandler())
+abort.install_from_environment()

@@ -1,0 +1,33 @@
+"""Rank 1 raises (in the main thread, or with --thread in another thread) while rank 0 waits for it.
+
+Launched by tests/test_abort.py as ``mpiexec -n 2 python tests/scripts/raise_on_one_rank.py``:
+with distdl's abort hook the job ends at once with the traceback shown and a non-zero exit;
+without it rank 0 would wait in its receive forever. ``--no-raise``: every rank finishes.
+"""
+
+import sys
+import threading
+
+from mpi4py import MPI
+
+import distdl  # noqa: F401  (installs the abort hook)
+
+comm = MPI.COMM_WORLD
+
+
+def fail():
+    raise RuntimeError(f"rank {comm.rank} failed on purpose")
+
+
+if comm.rank == 1 and "--no-raise" not in sys.argv:
+    if "--thread" in sys.argv:
+        thread = threading.Thread(target=fail, name="worker")
+        thread.start()
+        thread.join()
+    else:
+        fail()
+if comm.rank == 1:
+    comm.send("done", dest=0)
+if comm.rank == 0:
+    comm.recv(source=1)  # waits forever unless rank 1 sends, or the job is aborted
+print(f"rank {comm.rank} finished", flush=True)

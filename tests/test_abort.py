@@ -1,0 +1,129 @@
+"""Abort on error, logging and import hygiene: serial tests that launch their own processes.
+
+Not marked ``mpi``: they start ``mpiexec`` or ``python`` subprocesses, which an MPI rank must not
+do, so they run in the serial pass (``pytest -m "not mpi" tests``).
+"""
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from mpi4py import MPI
+
+import distdl
+from distdl import abort
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "raise_on_one_rank.py"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                                reason="launches subprocesses; runs in the serial pass, not under mpiexec")
+
+
+def _environment(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "HYDI_", "OMPI_"))}
+    env.pop("DISTDL_ABORT_ON_ERROR", None)
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _python(code, cwd, **extra):
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=_environment(**extra), capture_output=True,
+                          text=True, timeout=120)
+
+
+IMPORT_ALL = ("import pkgutil, importlib, distdl\n"
+              "for module in pkgutil.walk_packages(distdl.__path__, 'distdl.'):\n"
+              "    importlib.import_module(module.name)\n"
+              "raise SystemExit(0 if distdl.abort.installed() else 3)\n")  # the abort hook is on by default
+
+
+def test_import_writes_nothing(tmp_path):
+    cwd, home = tmp_path / "cwd", tmp_path / "home"
+    cwd.mkdir()
+    home.mkdir()
+    result = _python(IMPORT_ALL, cwd, HOME=str(home), PYTHONDONTWRITEBYTECODE="1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""
+    assert list(cwd.iterdir()) == [] and list(home.iterdir()) == []
+
+
+def test_logger_has_only_a_null_handler():
+    logger = logging.getLogger("distdl")
+    assert any(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    assert all(isinstance(h, logging.NullHandler) for h in logger.handlers)
+
+
+def test_install_and_uninstall(monkeypatch):
+    was_installed = abort.installed()  # on import, unless DISTDL_ABORT_ON_ERROR=0
+    abort.install()
+    assert sys.excepthook is abort._sys_hook and threading.excepthook is abort._thread_hook
+    previous = abort._previous["sys"], abort._previous["threading"]
+    try:
+        abort.uninstall()
+        assert not abort.installed()
+        assert (sys.excepthook, threading.excepthook) == previous
+        abort.uninstall()  # idempotent
+        assert (sys.excepthook, threading.excepthook) == previous
+        abort.install()
+        abort.install()  # idempotent: never chains to itself
+        assert (abort._previous["sys"], abort._previous["threading"]) == previous and abort.installed()
+        for value, expected in [("0", False), ("off", False), ("1", True), (None, True)]:
+            abort.uninstall()
+            if value is None:
+                monkeypatch.delenv("DISTDL_ABORT_ON_ERROR", raising=False)
+            else:
+                monkeypatch.setenv("DISTDL_ABORT_ON_ERROR", value)
+            abort.install_from_environment()
+            assert abort.installed() is expected, value
+    finally:
+        (abort.install if was_installed else abort.uninstall)()
+
+
+def test_opt_out_on_import(tmp_path):
+    code = ("import sys, threading, distdl\n"
+            "print(distdl.abort.installed(), sys.excepthook is sys.__excepthook__, "
+            "threading.excepthook is threading.__excepthook__)")
+    result = _python(code, tmp_path, DISTDL_ABORT_ON_ERROR="0")
+    assert result.stdout.strip() == "False True True", result.stderr
+
+
+def test_hook_prints_the_traceback_and_spares_a_single_rank(capsys):
+    try:
+        raise ValueError("boom")
+    except ValueError as error:
+        abort._sys_hook(ValueError, error, error.__traceback__)  # world size 1: prints, does not abort
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ValueError: boom" in err
+
+
+def _launch(*args, module=False):
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec next to {sys.executable} (install the mpich extra: make install)")
+    command = [str(MPIEXEC), "-n", "2", sys.executable, *(["-m", "mpi4py"] if module else []), str(SCRIPT), *args]
+    try:
+        return subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the job hung instead of aborting: {error}")
+
+
+@pytest.mark.parametrize("args, module", [([], False), (["--thread"], False), ([], True)],
+                         ids=["python-script", "python-script-thread", "python-m-mpi4py"])
+def test_uncaught_exception_ends_the_job(args, module):
+    result = _launch(*args, module=module)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback (most recent call last)" in output and "RuntimeError: rank 1 failed on purpose" in output
+    assert "rank 0 finished" not in output
+
+
+def test_job_without_error_exits_cleanly():
+    result = _launch("--no-raise")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 finished" in result.stdout and "rank 1 finished" in result.stdout
+    assert "aborting" not in result.stderr

@@ -1,0 +1,181 @@
+"""Check mode: agreement passes, every kind of disagreement raises on every rank, off costs nothing."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import distdl
+from distdl import checks
+from distdl.checks import CollectiveMismatchError, checking, verify
+from helpers import partition_shapes, sizes
+
+
+@pytest.fixture(autouse=True)
+def _restore_check_mode():
+    previous = distdl.check_mode()
+    yield
+    distdl.set_check_mode(previous)
+
+
+def _ranks(ranks):
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _clause(groups):
+    """The expected text for ``{value: ranks}``, as the error writes it."""
+    return "; ".join(f"{_ranks(r)} {'has' if len(r) == 1 else 'have'} {v}" for v, r in groups.items())
+
+
+@sizes(1, 2, 3, 4)
+def test_agreement_passes_on_partitions_and_communicators(P_world, comm):
+    with checking():
+        for shape in partition_shapes(comm.size):
+            P = P_world.create_cartesian_topology_partition(shape)
+            for axes in [(0,), tuple(range(len(shape)))]:
+                fibre = P.create_subpartition(axes)
+                verify("all_sum_reduce", fibre, torch.zeros(3, 4))
+        verify("all_sum_reduce", comm, torch.zeros(2, dtype=torch.int64))
+        # The caller decides what must agree: here shapes may differ, dtypes may not.
+        verify("broadcast", P_world, torch.zeros(comm.rank + 1), agree=("dtype", "device", "dim"))
+        verify("halo_exchange", P_world, agree={"halo_shape": [[1, 1], [2, 2]], "axes": (0,)})
+        verify("no_facts", P_world)
+        # Every call advanced this communicator's call number in step.
+        assert checks._next_sequence(comm) == 4
+
+
+@sizes(2, 3, 4)
+def test_shape_disagreement(P_world, comm):
+    last = comm.size - 1
+    x = torch.zeros(3, 5) if comm.rank == last else torch.zeros(3, 4)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        verify("all_sum_reduce", P_world, x)
+    groups = {"(3, 4)": list(range(last)), "(3, 5)": [last]}
+    assert str(info.value) == f"all_sum_reduce: ranks disagree on shape: {_clause(groups)}"
+    assert info.value.differences == {"shape": groups} and info.value.where == "all_sum_reduce"
+    assert isinstance(info.value, RuntimeError)
+
+
+@sizes(2, 3)
+def test_dtype_disagreement(P_world, comm):
+    x = torch.zeros(2, 2, dtype=torch.float64 if comm.rank == 0 else torch.float32)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        verify("sum_reduce", comm, x)
+    groups = {"torch.float64": [0], "torch.float32": list(range(1, comm.size))}
+    assert str(info.value) == f"sum_reduce: ranks disagree on dtype: {_clause(groups)}"
+
+
+@sizes(2, 3, 4)
+def test_name_disagreement(P_world, comm):
+    # Call order differs: odd ranks are already in the next primitive.
+    where = "broadcast" if comm.rank % 2 == 0 else "sum_reduce"
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        verify(where, P_world, torch.zeros(2))
+    groups = {"broadcast": list(range(0, comm.size, 2)), "sum_reduce": list(range(1, comm.size, 2))}
+    assert str(info.value) == f"{where}: ranks disagree on primitive: {_clause(groups)}"
+
+
+@sizes(2, 3)
+def test_sequence_disagreement(P_world, comm):
+    with checking():
+        verify("all_sum_reduce", P_world, torch.zeros(2))
+        if comm.rank == 1:
+            checks._next_sequence(comm)  # as if rank 1 had made a call on this communicator its peers skipped
+        with pytest.raises(CollectiveMismatchError) as info:
+            verify("all_sum_reduce", P_world, torch.zeros(2))
+    groups = {1: [r for r in range(comm.size) if r != 1], 2: [1]}
+    assert str(info.value) == f"all_sum_reduce: ranks disagree on call number: {_clause(groups)}"
+
+
+@sizes(2, 3)
+def test_several_disagreements_and_custom_facts(P_world, comm):
+    facts = {"axes": (comm.rank % 2,), "halo": [1, 1]}
+    x = torch.zeros(comm.rank + 1, dtype=torch.float64)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        verify("halo_exchange", comm, x, agree=facts)
+    assert list(info.value.differences) == ["axes"]
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        verify("halo_exchange", comm, x)  # shape differs on every rank, dtype on none
+    assert list(info.value.differences) == ["shape"]
+    assert len(info.value.differences["shape"]) == comm.size
+
+
+@sizes(4)
+def test_disagreement_within_fibres_names_world_ranks(P_world, comm):
+    P = P_world.create_cartesian_topology_partition([2, 2])
+    fibre = P.create_subpartition([0])  # ranks {0, 2} and {1, 3}
+    x = torch.zeros(7 if comm.rank == 3 else 2)
+    with checking():
+        if comm.rank in (0, 2):
+            verify("all_sum_reduce", fibre, x)
+        else:
+            with pytest.raises(CollectiveMismatchError, match=r"ranks disagree on shape: rank 1 has \(2,\); "
+                                                              r"rank 3 has \(7,\)$"):
+                verify("all_sum_reduce", fibre, x)
+
+
+@sizes(2, 3)
+def test_inactive_workers_and_single_member_partitions(P_world, comm):
+    P = P_world.create_partition_inclusive([0])
+    with checking():
+        verify("all_sum_reduce", P, torch.zeros(comm.rank))  # rank 0 alone, others outside: no communication
+        verify("all_sum_reduce", P_world.create_partition_exclusive([0]), torch.zeros(3))
+        verify("all_sum_reduce", MPI.COMM_SELF, torch.zeros(comm.rank))
+
+
+class _Untouchable:
+    def __getattr__(self, name):
+        raise AssertionError(f"verify looked at {name} with check mode off")
+
+
+@sizes(2, 3)
+def test_off_costs_nothing_and_does_not_communicate(P_world, comm):
+    with checking(False):
+        assert not distdl.check_mode()
+        if comm.rank == 0:  # only rank 0 calls: any communication would hang
+            for _ in range(1000):
+                verify("all_sum_reduce", P_world, torch.zeros(comm.rank + 1))
+                verify(_Untouchable(), _Untouchable(), _Untouchable(), agree=_Untouchable())
+    # The calls made with check mode off did not advance the call number either.
+    with checking():
+        verify("all_sum_reduce", P_world, torch.zeros(1))
+
+
+@sizes(1)
+def test_switches_and_errors(P_world, comm):
+    distdl.set_check_mode(False)
+    with checking():
+        assert distdl.check_mode() and checks.check_mode()
+        with checking(False):
+            assert not distdl.check_mode()
+        assert distdl.check_mode()
+        with pytest.raises(TypeError, match=r"verify: expected an MPIPartition or an MPI.Intracomm, got int"):
+            verify("f", 3, torch.zeros(1))
+        with pytest.raises(TypeError, match=r"verify: expected a str for where, got int"):
+            verify(1, P_world)
+        with pytest.raises(ValueError, match=r"verify: expected facts of a tensor in \['shape', 'dtype', 'device', "
+                                             r"'dim'\], got 'stride'"):
+            verify("f", P_world, torch.zeros(1), agree=("stride",))
+        with pytest.raises(TypeError, match=r"verify: expected a torch.Tensor to check \['dtype'\] of, got NoneType"):
+            verify("f", P_world, agree=("dtype",))
+    assert not distdl.check_mode()
+
+
+def test_environment_switch(tmp_path, monkeypatch):
+    """``DISTDL_CHECK=1`` turns check mode on at import (serial: starts its own Python)."""
+    if MPI.COMM_WORLD.Get_size() > 1:
+        pytest.skip("starts a subprocess; runs in the serial pass")
+    for value, expected in [("1", True), ("yes", True), ("0", False), ("off", False), ("", False)]:
+        monkeypatch.setenv("DISTDL_CHECK", value)
+        assert checks._from_environment() is expected
+    monkeypatch.delenv("DISTDL_CHECK")
+    assert not checks._from_environment()
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "DISTDL_CHECK": "1"}
+    result = subprocess.run([sys.executable, "-c", "import distdl; print(distdl.check_mode())"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "True", result.stderr
