@@ -1,0 +1,166 @@
+"""Distributed losses: the sequential loss of the global tensors, from partitioned inputs and targets.
+
+Forward ``L = (sum_i l(x_i, t_i)) / D`` with ``D`` the global count (``mean``), the global batch
+size (``batchmean``) or 1 (``sum``): each worker sums its elementwise loss in float64, and
+``[sum, count, batch]`` is summed over ``P_x`` with ``all_sum_reduce_forward`` (backward: identity),
+so every member holds the same loss and ``backward()`` on every member yields each block's exact
+gradient. ``reduction="none"`` returns the local block of the elementwise loss.
+
+============================  ========================================================================
+worker                        does
+============================  ========================================================================
+in P_x                        contributes its local sums; gets the global loss (0-dim)
+outside P_x                   passes zero-volume input and target; gets a 0-dim zero it can backward()
+============================  ========================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from distdl.functional._common import check_idle_input, check_partition, check_tensor
+from distdl.functional.all_sum_reduce import fibre
+from distdl.functional.invariant import all_sum_reduce_forward
+from distdl.partition import MPIPartition
+
+__all__ = ["DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss", "DistributedBCEWithLogitsLoss",
+           "DistributedKLDivLoss", "DistributedPoissonNLLLoss", "DistributedCrossEntropyLoss"]
+
+
+class _DistributedLoss(torch.nn.Module):
+    """Reduce a local elementwise loss over ``P_x``; subclasses define ``_elementwise``."""
+
+    reductions = ("mean", "sum", "none")
+
+    def __init__(self, P_x: MPIPartition, reduction: str = "mean") -> None:
+        super().__init__()
+        name = type(self).__name__
+        check_partition(name, "P_x", P_x)
+        if reduction not in self.reductions:
+            raise ValueError(f"{name}: expected reduction in {list(self.reductions)}, got {reduction!r}")
+        self.P_x, self.reduction = P_x, reduction
+        self.axes = tuple(range(P_x.dim))
+        fibre(P_x, self.axes)  # the communicator is built here, once
+
+    def _elementwise(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _count(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor | int:
+        return input.numel()
+
+    def _target_shape(self, input: torch.Tensor, target: torch.Tensor) -> tuple[int, ...]:
+        return tuple(input.shape)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Return the global loss (0-dim on every worker), or the local elementwise block for ``none``."""
+        name = type(self).__name__
+        for tensor in (input, target):
+            check_tensor(name, tensor)
+            check_idle_input(name, self.P_x, tensor)
+        if not self.P_x.active:
+            if self.reduction == "none":
+                return input.clone()
+            loss = input.sum()  # 0 from a zero-volume input; differentiable so backward() works everywhere
+            return loss if loss.requires_grad else loss.requires_grad_()
+        if input.dim() != self.P_x.dim:
+            raise ValueError(f"{name}: expected an input of {self.P_x.dim} dimensions to match P_x of shape "
+                             f"{self.P_x.shape}, got shape {tuple(input.shape)}")
+        expected = self._target_shape(input, target)
+        if tuple(target.shape) != expected:
+            raise ValueError(f"{name}: expected a target of shape {expected} (the input's block is "
+                             f"{tuple(input.shape)}), got shape {tuple(target.shape)} on worker {self.P_x._root.rank}")
+        losses = self._elementwise(input, target)
+        if self.reduction == "none":
+            return losses
+        at_batch_start = all(i == 0 for i in self.P_x.index[1:])
+        count = torch.as_tensor(self._count(input, target), dtype=torch.float64, device=input.device)
+        batch = torch.tensor(float(input.shape[0] if at_batch_start else 0), dtype=torch.float64, device=input.device)
+        packed = torch.stack([losses.sum(dtype=torch.float64), count.reshape(()), batch])
+        total = all_sum_reduce_forward(packed, self.P_x, axes_reduce=self.axes)
+        denominator = {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
+        return (total[0] / denominator).to(losses.dtype)
+
+
+class DistributedMSELoss(_DistributedLoss):
+    """Mean squared error of partitioned ``input`` and ``target`` (same shape and partition)."""
+
+    def _elementwise(self, input, target):
+        return F.mse_loss(input, target, reduction="none")
+
+
+class DistributedL1Loss(_DistributedLoss):
+    """Mean absolute error of partitioned ``input`` and ``target`` (same shape and partition)."""
+
+    def _elementwise(self, input, target):
+        return F.l1_loss(input, target, reduction="none")
+
+
+class DistributedBCELoss(_DistributedLoss):
+    """Binary cross entropy of partitioned probabilities and targets (no per-element ``weight``)."""
+
+    def _elementwise(self, input, target):
+        return F.binary_cross_entropy(input, target, reduction="none")
+
+
+class DistributedBCEWithLogitsLoss(_DistributedLoss):
+    """Binary cross entropy of partitioned logits and targets (no ``weight``/``pos_weight``)."""
+
+    def _elementwise(self, input, target):
+        return F.binary_cross_entropy_with_logits(input, target, reduction="none")
+
+
+class DistributedKLDivLoss(_DistributedLoss):
+    """KL divergence of partitioned log-probabilities and targets; ``batchmean`` divides by the global batch."""
+
+    reductions = ("mean", "batchmean", "sum", "none")
+
+    def __init__(self, P_x: MPIPartition, reduction: str = "mean", log_target: bool = False) -> None:
+        super().__init__(P_x, reduction)
+        self.log_target = log_target
+
+    def _elementwise(self, input, target):
+        return F.kl_div(input, target, reduction="none", log_target=self.log_target)
+
+
+class DistributedPoissonNLLLoss(_DistributedLoss):
+    """Poisson negative log-likelihood of partitioned ``input`` and ``target``."""
+
+    def __init__(self, P_x: MPIPartition, log_input: bool = True, full: bool = False, eps: float = 1e-8,
+                 reduction: str = "mean") -> None:
+        super().__init__(P_x, reduction)
+        self.log_input, self.full, self.eps = log_input, full, eps
+
+    def _elementwise(self, input, target):
+        return F.poisson_nll_loss(input, target, log_input=self.log_input, full=self.full, eps=self.eps,
+                                  reduction="none")
+
+
+class DistributedCrossEntropyLoss(_DistributedLoss):
+    """Cross entropy of ``(N, C, *d)`` logits, class axis not partitioned, and ``(N, *d)`` class indices
+    (or ``(N, C, *d)`` class probabilities) partitioned the same way; ``weight`` (C,) is replicated."""
+
+    def __init__(self, P_x: MPIPartition, weight: torch.Tensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+        super().__init__(P_x, reduction)
+        name = type(self).__name__
+        if P_x.dim < 2 or P_x.shape[1] != 1:
+            raise ValueError(f"{name}: expected a partition of at least 2 dimensions whose class axis (1) has "
+                             f"extent 1, got shape {P_x.shape}")
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
+
+    def _target_shape(self, input, target):
+        if target.is_floating_point():  # class probabilities
+            return tuple(input.shape)
+        return tuple(input.shape[:1] + input.shape[2:])
+
+    def _elementwise(self, input, target):
+        return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+                               reduction="none", label_smoothing=self.label_smoothing)
+
+    def _count(self, input, target):
+        if target.is_floating_point():
+            return target.numel() // max(input.shape[1], 1)
+        kept = target[target != self.ignore_index]
+        return kept.numel() if self.weight is None else self.weight[kept].sum(dtype=torch.float64).detach()

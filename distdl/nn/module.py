@@ -1,0 +1,157 @@
+"""``collect_state``: save and load a distributed layer's state as the sequential layer's.
+
+A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_state=True``:
+
+- ``state_dict()`` (collective over the layer's partition) returns on rank 0 of the partition
+  the same keys and *global* shapes as the equivalent torch layer; on every other worker, and
+  on workers outside the partition, this layer's keys are omitted.
+- ``load_state_dict()`` (collective; call it on every worker) takes rank 0's values, checks
+  their global shapes and sends each worker its block; the other workers may pass the same
+  dict or one without these keys (no missing-key error). Workers outside the partition keep
+  their (unused) values. Strict loading still reports missing and unexpected keys, and a
+  wrong global shape is reported on every member.
+
+How a tensor is laid out is a :class:`StateLayout`: by default every parameter and persistent
+buffer is replicated on every worker; a layer with split tensors returns a layout per name
+from ``_state_layouts()`` (balanced blocks along partition axes), or a subclass of
+:class:`StateLayout` for any other layout. With ``collect_state=False`` the state dict holds
+each worker's own local tensors (one checkpoint per worker).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from distdl.partition import MPIPartition
+from distdl.utilities.slicing import compute_start_index, compute_subshape
+
+__all__ = ["StateLayout", "CollectStateMixin"]
+
+
+class StateLayout:
+    """A tensor of ``global_shape`` whose dim ``d`` is split in balanced blocks along partition axis
+    ``axes[d]`` (``None``: not split); replicated over the partition axes not listed."""
+
+    def __init__(self, global_shape: Sequence[int], axes: Sequence[int | None] | None = None) -> None:
+        self.global_shape = tuple(int(n) for n in global_shape)
+        self.axes = tuple(axes) if axes is not None else (None,) * len(self.global_shape)
+
+    @property
+    def replicated(self) -> bool:
+        return all(a is None for a in self.axes)
+
+    def _grid(self, P_shape: Sequence[int], index: Sequence[int]) -> tuple[list[int], list[int]]:
+        return ([1 if a is None else P_shape[a] for a in self.axes],
+                [0 if a is None else index[a] for a in self.axes])
+
+    def holds(self, index: Sequence[int]) -> bool:
+        """Return whether the worker at ``index`` sends its block when gathering (one copy of each)."""
+        return all(i == 0 for a, i in enumerate(index) if a not in self.axes)
+
+    def block(self, x_global: torch.Tensor, P_shape: Sequence[int], index: Sequence[int]) -> torch.Tensor:
+        """Return the block of ``x_global`` held by the worker at ``index``."""
+        if not self.axes:
+            return x_global.clone()
+        grid, at = self._grid(P_shape, index)
+        start = compute_start_index(grid, at, self.global_shape)
+        size = compute_subshape(grid, at, self.global_shape)
+        return x_global[tuple(slice(a, a + n) for a, n in zip(start, size))].clone()
+
+    def assemble(self, blocks: dict[tuple[int, ...], torch.Tensor], P_shape: Sequence[int]) -> torch.Tensor:
+        """Return the global tensor from the blocks of the holders, keyed by partition index."""
+        some = next(iter(blocks.values()))
+        out = some.new_empty(self.global_shape)
+        for index, block in blocks.items():
+            grid, at = self._grid(P_shape, index)
+            start = compute_start_index(grid, at, self.global_shape) if self.axes else ()
+            out[tuple(slice(a, a + n) for a, n in zip(start, block.shape))] = block
+        return out
+
+
+class CollectStateMixin:
+    """Give an ``nn.Module`` with ``P_x`` and ``collect_state`` attributes a sequential-layer state dict."""
+
+    P_x: MPIPartition
+    collect_state: bool
+
+    def _state_layouts(self) -> dict[str, StateLayout]:
+        """Return the layout of every split tensor by name; the others are replicated."""
+        return {}
+
+    def _state_tensors(self) -> dict[str, tuple[torch.Tensor, StateLayout]]:
+        layouts = self._state_layouts()
+        tensors = {**self._parameters, **{k: v for k, v in self._buffers.items()
+                                          if k not in self._non_persistent_buffers_set}}
+        return {name: (t, layouts.get(name) or StateLayout(t.shape)) for name, t in tensors.items() if t is not None}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.collect_state:
+            return
+        P, tensors = self.P_x, self._state_tensors()
+        split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
+        pieces = None
+        if P.active and split:
+            mine = {name: t.detach().cpu() for name, (t, layout) in split.items() if layout.holds(P.index)}
+            pieces = P.comm.gather((P.index, mine), root=0)
+        if P.rank != 0:
+            for name in tensors:
+                destination.pop(prefix + name, None)
+            return
+        for name, (t, layout) in split.items():
+            blocks = {index: held[name] for index, held in pieces if name in held}
+            destination[prefix + name] = layout.assemble(blocks, P.shape).to(t.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self.collect_state:
+            self._distribute_state(state_dict, prefix, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str]) -> None:
+        """Replace this layer's entries of ``state_dict`` by this worker's blocks of rank 0's values."""
+        P, tensors = self.P_x, self._state_tensors()
+        if not P.active:
+            for name, (t, _) in tensors.items():
+                state_dict[prefix + name] = t.detach()
+            return
+        replicated = {name for name, (_, layout) in tensors.items() if layout.replicated}
+        checked = summary = None
+        if P.rank == 0:  # rank 0 decides for everyone: ("ok", value), ("missing", None) or ("error", message)
+            checked = {name: _check_entry(state_dict, prefix + name, layout) for name, (_, layout) in tensors.items()}
+            # replicated values travel with the decision; split ones are marked and scattered below
+            summary = {name: ("split", None) if entry[0] == "ok" and name not in replicated else entry
+                       for name, entry in checked.items()}
+        status = P.comm.bcast(summary, root=0)
+        if any(entry[0] == "split" for entry in status.values()):
+            per_rank = None
+            if P.rank == 0:
+                per_rank = [{name: tensors[name][1].block(checked[name][1], P.shape, P.cartesian_index(r))
+                             for name, entry in status.items() if entry[0] == "split"} for r in range(P.size)]
+            status.update({name: ("ok", block) for name, block in P.comm.scatter(per_rank, root=0).items()})
+        for name, (t, _) in tensors.items():
+            kind, value = status[name]
+            if kind == "missing":
+                state_dict.pop(prefix + name, None)
+            elif kind == "error":
+                state_dict[prefix + name] = t.detach()
+                error_msgs.append(value)
+            elif P.rank != 0 or name not in replicated:
+                state_dict[prefix + name] = value
+
+
+def _check_entry(state_dict: dict, key: str, layout: StateLayout) -> tuple[str, object]:
+    if key not in state_dict:
+        return ("missing", None)
+    value = state_dict[key]
+    if not isinstance(value, torch.Tensor):
+        return ("error", f'While copying the parameter named "{key}", expected torch.Tensor from checkpoint but '
+                         f"received {type(value)}")
+    if tuple(value.shape) != layout.global_shape:
+        return ("error", f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+                         f"checkpoint, the shape in current (global) model is {layout.global_shape}.")
+    return ("ok", value.detach().cpu())
+

@@ -1,0 +1,158 @@
+"""DistributedBatchNorm: forward, input and parameter gradients and running statistics equal torch's."""
+
+import pytest
+import torch
+
+from distdl.nn.batchnorm import DistributedBatchNorm
+from distdl.testing import assert_sequential_equivalence, random_tensor, scatter
+from helpers import sizes
+
+TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
+
+# (partition shape, global input shape): uneven splits, a worker with an empty batch, 2-4 dimensions.
+CASES = {
+    1: [((1, 1, 1), (4, 3, 5)), ((1, 1), (6, 3))],
+    2: [((2, 1, 1), (5, 3, 4)), ((1, 1, 2), (3, 3, 5)), ((2, 1), (7, 3))],
+    3: [((3, 1, 1), (5, 3, 4)), ((1, 1, 3), (2, 3, 7)), ((1, 1, 3, 1), (2, 3, 5, 2))],
+    4: [((2, 1, 2), (5, 3, 7)), ((4, 1, 1), (3, 3, 4)), ((1, 1, 2, 2), (3, 2, 5, 3)), ((4, 1), (6, 3))],
+}
+
+
+def _pair(P_x, x_shape, dtype=torch.float64, **kwargs):
+    """A distributed layer and the torch layer, with the same random affine parameters."""
+    ref = TORCH_BN[len(x_shape)](x_shape[1], **kwargs).to(dtype)
+    layer = DistributedBatchNorm(P_x, x_shape[1], **kwargs).to(dtype)
+    if ref.affine:
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                getattr(ref, name).copy_(random_tensor((x_shape[1],), seed=len(name)))
+                getattr(layer, name).copy_(getattr(ref, name))
+    return layer, ref
+
+
+def _check_steps(P_x, layer, ref, x_shape, steps=3, dtype=torch.float64, tol=1e-10):
+    for step in range(steps):
+        shape = (x_shape[0] + (step % 2),) + x_shape[1:]  # a different batch size every other call
+        x = (random_tensor(shape, seed=10 * step + 1) * 2 + 3).to(dtype)
+        assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=step, rtol=tol, atol=tol)
+        if P_x.active:
+            for name in ("weight", "bias") if ref.affine else ():
+                torch.testing.assert_close(getattr(layer, name).grad, getattr(ref, name).grad, rtol=tol, atol=tol)
+            for name in ("running_mean", "running_var") if ref.track_running_stats else ():
+                torch.testing.assert_close(getattr(layer, name), getattr(ref, name), rtol=tol, atol=tol)
+            if ref.track_running_stats:
+                assert layer.num_batches_tracked.item() == ref.num_batches_tracked.item()
+        layer.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+@sizes(1, 2, 3, 4)
+def test_training_and_eval_match_torch(P_world, comm):
+    for P_shape, x_shape in CASES[comm.size]:
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        layer, ref = _pair(P_x, x_shape)
+        _check_steps(P_x, layer, ref, x_shape)
+        layer.eval()
+        ref.eval()
+        _check_steps(P_x, layer, ref, x_shape, steps=1)
+
+
+@sizes(1, 2, 3, 4)
+def test_options_and_float32(P_world, comm):
+    P_shape, x_shape = CASES[comm.size][0]
+    P_x = P_world.create_cartesian_topology_partition(P_shape)
+    for kwargs in ({"momentum": None}, {"track_running_stats": False}, {"affine": False, "eps": 1e-3}):
+        layer, ref = _pair(P_x, x_shape, **kwargs)
+        _check_steps(P_x, layer, ref, x_shape, steps=2)
+        layer.eval()
+        ref.eval()
+        _check_steps(P_x, layer, ref, x_shape, steps=1)
+    layer, ref = _pair(P_x, x_shape, dtype=torch.float32)
+    _check_steps(P_x, layer, ref, x_shape, steps=2, dtype=torch.float32, tol=1e-5)
+    layer = DistributedBatchNorm(P_x, x_shape[1], track_running_stats=False).double()
+    x = scatter(random_tensor(x_shape, seed=7), P_x)
+    strided = x.transpose(0, -1).contiguous().transpose(0, -1)  # same values, not contiguous
+    torch.testing.assert_close(layer(strided), layer(x))
+
+
+@sizes(1, 2, 3, 4)
+def test_subset_partitions_and_inactive_workers(P_world, comm):
+    """A one-worker partition and a partition leaving rank 0 out: outsiders pass and get zero-volume."""
+    subsets = [([0], (1, 1, 1))] + ([(list(range(1, comm.size)), (comm.size - 1, 1, 1))] if comm.size > 2 else [])
+    for ranks, P_shape in subsets:
+        P_x = P_world.create_partition_inclusive(ranks).create_cartesian_topology_partition(P_shape)
+        layer, ref = _pair(P_x, (3, 2, 5))
+        _check_steps(P_x, layer, ref, (3, 2, 5), steps=2)
+        if not P_x.active:
+            y = layer(torch.zeros(0, dtype=torch.float64))
+            assert y.shape == (0,)
+            with pytest.raises(ValueError, match=rf"DistributedBatchNorm: worker {comm.rank} is outside P_x"):
+                layer(torch.ones(3, 2, 5))
+
+
+@sizes(2, 3)
+def test_bfloat16_accumulates_in_float32(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    layer = DistributedBatchNorm(P_x, 3).to(torch.bfloat16)
+    x = random_tensor((7, 3, 6), seed=3) * 3 + 5
+    y = layer(scatter(x.to(torch.bfloat16), P_x))
+    assert y.dtype == torch.bfloat16
+    expected = torch.nn.functional.batch_norm(x.to(torch.bfloat16).double(), None, None, training=True)
+    torch.testing.assert_close(y.double(), scatter(expected, P_x), rtol=2e-2, atol=2e-2)
+
+
+@sizes(1, 2, 3)
+def test_state_dict_round_trip(P_world, comm):
+    """A serial checkpoint loads into the distributed layer, which saves it back on rank 0 of P_x."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    ref = torch.nn.BatchNorm1d(3).double()
+    with torch.no_grad():
+        ref.weight.copy_(random_tensor((3,), seed=1))
+        ref.bias.copy_(random_tensor((3,), seed=2))
+    ref(random_tensor((6, 3, 4), seed=3) + 2)  # non-trivial running statistics
+    ref.eval()
+    layer = DistributedBatchNorm(P_x, 3, collect_state=True).double().eval()
+    layer.load_state_dict(ref.state_dict() if P_x.rank == 0 else {})  # the others may pass nothing
+    assert_sequential_equivalence(layer, ref, random_tensor((5, 3, 4), seed=4), P_x, P_x, rtol=1e-10, atol=1e-12)
+    state = layer.state_dict()
+    if P_x.rank == 0:
+        assert list(state) == list(ref.state_dict())
+        for key, value in ref.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0)
+    else:
+        assert list(state) == []
+    # Rank 0's checkpoint decides: a missing key or a wrong shape is reported on every member.
+    broken = {k: v for k, v in ref.state_dict().items() if k != "running_var"}
+    with pytest.raises(RuntimeError, match='Missing key.*"running_var"'):
+        layer.load_state_dict(broken if P_x.rank == 0 else ref.state_dict())
+    layer.load_state_dict(broken, strict=False)
+    wrong = {**ref.state_dict(), "bias": torch.zeros(4)}
+    with pytest.raises(RuntimeError, match=r"size mismatch for bias"):
+        layer.load_state_dict(wrong if P_x.rank == 0 else {})
+    # Without collect_state every worker saves and loads its own (replicated) tensors.
+    plain = DistributedBatchNorm(P_x, 3)
+    assert list(plain.state_dict()) == list(ref.state_dict())
+
+
+@sizes(1, 2)
+def test_errors(P_world, comm):
+    if comm.size == 2:
+        with pytest.raises(ValueError, match=r"DistributedBatchNorm: expected a partition of at least 2 dimensions "
+                                             r"whose channel axis \(1\) has extent 1, got shape \(1, 2\)"):
+            DistributedBatchNorm(P_world.create_cartesian_topology_partition((1, 2)), 3)
+    with pytest.raises(ValueError, match="DistributedBatchNorm: expected a partition of at least 2 dimensions"):
+        DistributedBatchNorm(P_world, 3)
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    layer = DistributedBatchNorm(P_x, 3)
+    with pytest.raises(ValueError, match=r"DistributedBatchNorm: expected a tensor of 3 dimensions with 3 channels "
+                                         r"\(dimension 1\) for P_x of shape \(\d, 1, 1\), got shape \(2, 3\)"):
+        layer(torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"with 3 channels .* got shape \(2, 4, 5\)"):
+        layer(torch.ones(2, 4, 5))
+    with pytest.raises(TypeError, match="DistributedBatchNorm: expected a floating-point tensor, got torch.int64"):
+        layer(torch.ones(2, 3, 5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="DistributedBatchNorm: expected a torch.Tensor, got list"):
+        layer([1.0])
+    if comm.size == 1:
+        with pytest.raises(ValueError, match="expected more than 1 value per channel when training, got 1"):
+            layer(torch.ones(1, 3, 1))

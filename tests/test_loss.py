@@ -1,0 +1,142 @@
+"""Distributed losses: every member holds torch's loss of the gathered tensors and gets the exact gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distdl.nn import loss as losses
+from distdl.testing import random_tensor, scatter
+from helpers import sizes
+
+# (partition shape, global input shape): 1-3 dimensions, uneven splits, a worker with an empty block.
+CASES = {1: [((1,), (5,)), ((1, 1, 1), (2, 3, 4))],
+         2: [((2,), (5,)), ((1, 2), (3, 5)), ((2, 1, 1), (3, 2, 4))],
+         3: [((3,), (7,)), ((3, 1), (2, 4)), ((1, 1, 3), (2, 3, 5))],
+         4: [((4,), (6,)), ((2, 2), (3, 5)), ((2, 1, 2), (3, 2, 4))]}
+
+
+def _inputs(name, shape, seed):
+    """Global input and target valid for the loss ``name``, the same on every worker."""
+    x, t = random_tensor(shape, seed), random_tensor(shape, seed + 1)
+    if name == "BCELoss":
+        return torch.sigmoid(x), torch.sigmoid(t)
+    if name == "BCEWithLogitsLoss":
+        return x, torch.sigmoid(t)
+    if name == "KLDivLoss":
+        return F.log_softmax(x, dim=-1), F.softmax(t, dim=-1)
+    if name == "PoissonNLLLoss":
+        return x.abs() + 0.1, torch.floor(t.abs() * 3)  # positive rates serve log_input=False too
+    return x, t
+
+
+LOSSES = [("MSELoss", {}), ("L1Loss", {}), ("BCELoss", {}), ("BCEWithLogitsLoss", {}), ("KLDivLoss", {}),
+          ("KLDivLoss", {"log_target": True}), ("PoissonNLLLoss", {}),
+          ("PoissonNLLLoss", {"log_input": False, "full": True})]
+
+
+def _check(P_x, distributed, sequential, x, t, comm, target_partition=None, tol=1e-12):
+    """Every worker: the loss value (members) and, after backward() everywhere, the input gradient."""
+    split = target_partition or (lambda t: scatter(t, P_x))  # how the target (and "none" loss) is laid out
+    x_ref = x.clone().requires_grad_()
+    expected = sequential(x_ref, t)
+    x_local = scatter(x, P_x).requires_grad_()
+    y = distributed(x_local, split(t))
+    if distributed.reduction == "none":
+        if P_x.active:
+            torch.testing.assert_close(y, split(expected.detach()), rtol=tol, atol=tol)
+        dy = random_tensor(expected.shape, seed=99)
+        expected.backward(dy)
+        y.backward(split(dy))
+    else:
+        assert y.shape == ()
+        if P_x.active:
+            torch.testing.assert_close(y, expected.detach(), rtol=tol, atol=tol)
+        else:
+            assert y.item() == 0
+        expected.backward()
+        y.backward()  # on every rank, members and outsiders alike
+    if P_x.active:
+        torch.testing.assert_close(x_local.grad, scatter(x_ref.grad, P_x), rtol=tol, atol=tol,
+                                   msg=lambda m: f"gradient differs on rank {comm.rank}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss:UserWarning")  # torch's KLDivLoss
+@sizes(1, 2, 3, 4)
+def test_elementwise_losses_match_torch(P_world, comm):
+    for P_shape, shape in CASES[comm.size]:
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        for name, kwargs in LOSSES:
+            reductions = ("mean", "sum", "none") + (("batchmean",) if name == "KLDivLoss" else ())
+            for reduction in reductions:
+                distributed = getattr(losses, "Distributed" + name)(P_x, reduction=reduction, **kwargs)
+                sequential = getattr(torch.nn, name)(reduction=reduction, **kwargs)
+                x, t = _inputs(name, shape, seed=len(name))
+                _check(P_x, distributed, sequential, x, t, comm)
+
+
+@sizes(1, 2, 3, 4)
+def test_cross_entropy_matches_torch(P_world, comm):
+    n = comm.size
+    P_x = P_world.create_cartesian_topology_partition((n, 1) if n < 4 else (2, 1, 2))
+    shape = (5, 4) if n < 4 else (3, 4, 3)  # (N, C) or (N, C, d); the class axis is not partitioned
+
+    def target_partition(t):  # partitioned like the input without its class axis
+        return scatter(t.unsqueeze(1), P_x).squeeze(1) if P_x.active else scatter(t, P_x)
+
+    x = random_tensor(shape, seed=1)
+    t = torch.randint(0, 4, shape[:1] + shape[2:], generator=torch.Generator().manual_seed(2))
+    t.view(-1)[1] = -100  # an ignored target
+    weight = random_tensor((4,), seed=3).abs() + 0.5
+    for kwargs in ({}, {"weight": weight}, {"label_smoothing": 0.2}, {"weight": weight, "label_smoothing": 0.1},
+                   {"ignore_index": 2}):
+        for reduction in ("mean", "sum", "none"):
+            distributed = losses.DistributedCrossEntropyLoss(P_x, reduction=reduction, **kwargs)
+            sequential = torch.nn.CrossEntropyLoss(reduction=reduction, **kwargs)
+            _check(P_x, distributed, sequential, x, t.clamp_min(0) if "ignore_index" in kwargs else t, comm,
+                   target_partition)
+    probabilities = F.softmax(random_tensor(shape, seed=4), dim=1)  # class-probability targets
+    for reduction in ("mean", "sum"):
+        distributed = losses.DistributedCrossEntropyLoss(P_x, weight=weight, reduction=reduction, label_smoothing=0.1)
+        sequential = torch.nn.CrossEntropyLoss(weight=weight, reduction=reduction, label_smoothing=0.1)
+        _check(P_x, distributed, sequential, x, probabilities, comm)
+
+
+@sizes(1, 2, 3, 4)
+def test_inactive_workers_and_float32(P_world, comm):
+    P_x = P_world.create_partition_inclusive([comm.size - 1]).create_cartesian_topology_partition((1, 1))
+    for reduction in ("mean", "sum", "none"):
+        x, t = _inputs("MSELoss", (3, 4), seed=0)
+        _check(P_x, losses.DistributedMSELoss(P_x, reduction=reduction), torch.nn.MSELoss(reduction=reduction),
+               x, t, comm)
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x, t = (v.float() for v in _inputs("BCEWithLogitsLoss", (7, 3), seed=5))
+    _check(P_x, losses.DistributedBCEWithLogitsLoss(P_x), torch.nn.BCEWithLogitsLoss(), x, t, comm, tol=1e-6)
+    outside = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1,))
+    loss = losses.DistributedL1Loss(outside)(torch.zeros(0), torch.zeros(0))
+    if not outside.active:
+        assert loss.shape == () and loss.requires_grad
+        loss.backward()  # a constant input still gives a loss one can call backward() on
+
+
+@sizes(1, 2)
+def test_errors(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    with pytest.raises(ValueError, match=r"DistributedMSELoss: expected reduction in \['mean', 'sum', 'none'\], "
+                                         r"got 'batchmean'"):
+        losses.DistributedMSELoss(P_x, reduction="batchmean")
+    loss = losses.DistributedMSELoss(P_x)
+    with pytest.raises(ValueError, match=r"DistributedMSELoss: expected an input of 2 dimensions to match P_x of "
+                                         r"shape \(\d, 1\), got shape \(3,\)"):
+        loss(torch.ones(3), torch.ones(3))
+    with pytest.raises(ValueError, match=rf"DistributedMSELoss: expected a target of shape \(3, 2\) \(the input's "
+                                         rf"block is \(3, 2\)\), got shape \(3, 1\) on worker {comm.rank}"):
+        loss(torch.ones(3, 2), torch.ones(3, 1))
+    with pytest.raises(TypeError, match="DistributedMSELoss: expected a torch.Tensor, got float"):
+        loss(torch.ones(3, 2), 1.0)
+    if comm.size == 2:
+        with pytest.raises(ValueError, match=r"DistributedCrossEntropyLoss: expected a partition of at least 2 "
+                                             r"dimensions whose class axis \(1\) has extent 1, got shape \(1, 2\)"):
+            losses.DistributedCrossEntropyLoss(P_world.create_cartesian_topology_partition((1, 2)))
+    ce = losses.DistributedCrossEntropyLoss(P_x)
+    with pytest.raises(ValueError, match=r"DistributedCrossEntropyLoss: expected a target of shape \(3,\)"):
+        ce(torch.ones(3, 4), torch.ones(3, 4, dtype=torch.long))
