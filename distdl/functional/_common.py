@@ -52,9 +52,13 @@ def zero_volume_like(x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
 
 
 def grad_like(grad: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
-    """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape)."""
-    if grad.shape != x_shape and grad.numel() == 0:
-        return grad.new_zeros(x_shape)
+    """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape).
+
+    A zero-volume gradient is reshaped rather than replaced, so double backward stays connected on
+    every worker (a fresh ``new_zeros`` would have no ``grad_fn``).
+    """
+    if grad.shape != x_shape and grad.numel() == 0 and 0 in tuple(x_shape):
+        return grad.reshape(x_shape)
     return grad
 
 
@@ -95,14 +99,3 @@ def check_flags(where: str, **flags: object) -> tuple[bool, ...]:
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{where}: expected a bool for {name}, got {value!r}")
     return tuple(bool(value) for value in flags.values())
-
-
-def grad_like_connected(grad: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
-    """Return ``grad`` shaped as its input like :func:`grad_like`, keeping the autograd graph.
-
-    A zero-volume gradient for a zero-volume input is reshaped rather than replaced, so double
-    backward reaches every worker (a fresh ``new_zeros`` would have no ``grad_fn``).
-    """
-    if grad.shape != x_shape and grad.numel() == 0 and 0 in tuple(x_shape):
-        return grad.reshape(x_shape)
-    return grad_like(grad, x_shape)

@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       decode_header, empty_header, encode_header, zero_volume_like)
+                                       decode_header, empty_header, encode_header, grad_like, zero_volume_like)
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index, compute_subshape
 
@@ -98,8 +98,7 @@ class _Repartition(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, ctx.preserve_batch)
-        # Zero-volume placeholders may differ in shape: reshape (unlike grad_like) keeps the double-backward graph.
-        return grad_x.reshape(ctx.x_shape), None, None, None
+        return grad_like(grad_x, ctx.x_shape), None, None, None
 
 
 def _move(x, P_x, P_y, P_union, preserve_batch):

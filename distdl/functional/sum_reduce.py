@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_flags, check_idle_input, check_tensor, decode_header,
-                                       encode_header, grad_like_connected, zero_volume_like)
+                                       encode_header, grad_like, zero_volume_like)
 from distdl.functional.broadcast import broadcast, broadcast_plan, check_broadcastable
 from distdl.partition import MPIPartition
 
@@ -129,4 +129,4 @@ class _SumReduce(torch.autograd.Function):
         transpose_src, transpose_dest, preserve_batch = ctx.flags
         grad_x = broadcast(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest, transpose_dest=transpose_src,
                            preserve_batch=preserve_batch)
-        return grad_like_connected(grad_x, ctx.x_shape), None, None, None, None, None, None
+        return grad_like(grad_x, ctx.x_shape), None, None, None, None, None, None
