@@ -1,0 +1,144 @@
+"""Window arithmetic shared by the spatially partitioned layers (convolution, pooling, upsampling).
+
+A windowed layer maps a global ``(N, C, *spatial)`` input, decomposed over ``P_x``, to a global
+output decomposed over the same ``P_x`` (balanced blocks). Per spatial dimension the layer gives
+the output length for an input length, and the input range ``[a, b)`` an output range ``[o0, o1)``
+reads (it may reach past the global edges). From these every worker computes every worker's input
+window (cached per global input shape), fetches its own with ``window_exchange`` (zeros past the
+edges) and applies the torch op without padding. Along the batch and channel dimensions the window
+is the worker's own block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from distdl.functional._common import check_idle_input, check_tensor
+from distdl.functional.window_exchange import window_exchange
+from distdl.partition import MPIPartition
+from distdl.utilities.slicing import compute_start_index, compute_stop_index
+
+__all__ = ["as_tuple", "check_input", "Plan", "plan", "exchange", "connect", "sliding_length", "sliding_source"]
+
+
+def as_tuple(where: str, name: str, value: object, d: int, minimum: int = 0) -> tuple[int, ...]:
+    """Return ``value`` (an int or ``d`` ints, each at least ``minimum``) as ``d`` ints."""
+    values = (value,) * d if isinstance(value, (int, np.integer)) else value
+    try:
+        values = tuple(values)
+    except TypeError:
+        values = ()
+    if (len(values) != d or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in values)
+            or any(v < minimum for v in values)):
+        raise ValueError(f"{where}: expected {name} as an int or a sequence of {d}, each at least {minimum}, "
+                         f"got {value!r}")
+    return tuple(int(v) for v in values)
+
+
+def check_input(where: str, x: torch.Tensor, P_x: MPIPartition, channels: int | None = None) -> None:
+    """Check a layer's input on this worker (no communication)."""
+    check_tensor(where, x)
+    check_idle_input(where, P_x, x)
+    if not P_x.active:
+        return
+    if x.dim() != P_x.dim:
+        raise ValueError(f"{where}: expected a tensor of {P_x.dim} dimensions to match P_x of shape {P_x.shape}, "
+                         f"got shape {tuple(x.shape)} on worker {P_x._root.rank}")
+    if channels is not None and x.shape[1] != channels:
+        raise ValueError(f"{where}: expected {channels} channels (dimension 1), got shape {tuple(x.shape)} "
+                         f"on worker {P_x._root.rank}")
+
+
+def _block(P_x: MPIPartition, index, shape) -> tuple[tuple[int, int], ...]:
+    start, stop = compute_start_index(P_x.shape, index, shape), compute_stop_index(P_x.shape, index, shape)
+    return tuple((int(a), int(b)) for a, b in zip(start, stop))
+
+
+def _global_shape(where: str, x: torch.Tensor, P_x: MPIPartition) -> tuple[int, ...]:
+    """Return the global shape from every worker's block (one allgather); every worker checks every block."""
+    extents = np.empty((P_x.size, P_x.dim), dtype=np.int64)
+    P_x.comm.Allgather(np.asarray(x.shape, dtype=np.int64), extents)
+    index = np.stack(np.unravel_index(np.arange(P_x.size), P_x.shape), axis=1)
+    shape = tuple(int(extents[(np.delete(index, k, axis=1) == 0).all(axis=1), k].sum()) for k in range(P_x.dim))
+    for rank in range(P_x.size):
+        expected = tuple(b - a for a, b in _block(P_x, index[rank], shape))
+        if tuple(extents[rank]) != expected:
+            raise ValueError(f"{where}: expected the blocks of a balanced decomposition of a global shape "
+                             f"{shape} over P_x of shape {P_x.shape}, got shape {tuple(extents[rank].tolist())} "
+                             f"on P_x rank {rank} (expected {expected})")
+    return shape
+
+
+class Plan(NamedTuple):
+    x_shape: tuple[int, ...]  # global input shape
+    y_shape: tuple[int, ...]  # global output shape
+    windows: tuple  # every worker's input window, in P_x rank order
+    window: tuple[tuple[int, int], ...]  # this worker's input window
+    block: tuple[tuple[int, int], ...]  # this worker's output block
+
+
+def plan(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channels: int | None,
+         length: Callable[[int, int], int], source: Callable[[int, int, int, int, int], tuple[int, int]]) -> Plan:
+    """Return the windows of a layer; collective over ``P_x`` (one allgather of the block shapes).
+
+    Args:
+        key: what identifies the layer's geometry (the plan is cached per key and global shape).
+        out_channels: the global output channels (``None``: as the input).
+        length: ``length(k, n)``, the output length of spatial dimension ``k`` for input length ``n``.
+        source: ``source(k, n, L, o0, o1)``, the input range ``[a, b)`` output range ``[o0, o1)`` reads.
+    Raises:
+        ValueError: blocks that do not form a balanced decomposition, or an empty global output.
+    """
+    x_shape = _global_shape(where, x, P_x)
+
+    def build():
+        lengths = tuple(length(k, n) for k, n in enumerate(x_shape[2:]))
+        if any(n < 1 for n in lengths):
+            raise ValueError(f"{where}: expected an input large enough for an output, got global shape {x_shape} "
+                             f"(output spatial shape {lengths})")
+        y_shape = (x_shape[0], x_shape[1] if out_channels is None else out_channels) + lengths
+        windows = []
+        for rank in range(P_x.size):
+            index = P_x.cartesian_index(rank)
+            box = _block(P_x, index, y_shape)
+            spatial = tuple((0, 0) if o0 == o1 else source(k, x_shape[2 + k], lengths[k], o0, o1)
+                            for k, (o0, o1) in enumerate(box[2:]))
+            windows.append(_block(P_x, index, x_shape)[:2] + spatial)
+        windows = tuple(windows)
+        return Plan(x_shape, y_shape, windows, windows[P_x.rank], _block(P_x, P_x.index, y_shape))
+    return P_x._memo(("windowed layer",) + key + (x_shape,), build)
+
+
+def exchange(x: torch.Tensor, P_x: MPIPartition, plan: Plan) -> torch.Tensor:
+    """Return this worker's input window (zeros outside the global tensor)."""
+    return window_exchange(x, P_x, plan.x_shape, plan.windows)
+
+
+def connect(y: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """Return ``y`` joined to ``tensors`` in the autograd graph (zero gradient), so that every worker's
+    backward takes part in the collectives behind them even where its output is empty."""
+    for t in tensors:
+        if t.requires_grad:
+            y = y + t.flatten()[:0].sum().to(y.dtype)
+    return y
+
+
+def sliding_length(n: int, kernel: int, stride: int, left: int, right: int, dilation: int,
+                   ceil_mode: bool = False) -> int:
+    """Return torch's output length of a sliding window (convolution, pooling)."""
+    span = n + left + right - dilation * (kernel - 1) - 1
+    if span < 0:
+        return 0
+    length = -(-span // stride) + 1 if ceil_mode else span // stride + 1
+    if ceil_mode and (length - 1) * stride >= n + left:  # the last window must start inside the input
+        length -= 1
+    return length
+
+
+def sliding_source(o0: int, o1: int, kernel: int, stride: int, left: int, dilation: int) -> tuple[int, int]:
+    """Return the input range a sliding window's outputs ``[o0, o1)`` read (past the edges: padding)."""
+    return o0 * stride - left, (o1 - 1) * stride - left + dilation * (kernel - 1) + 1

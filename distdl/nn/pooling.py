@@ -1,0 +1,192 @@
+"""DistributedMaxPool1d/2d/3d and DistributedAvgPool1d/2d/3d: pooling of a tensor partitioned along any dimension.
+
+Forward ``y_j = pool(W_j x)``, ``W_j`` the window exchange onto worker ``j``'s input window; adjoint
+(input gradient) ``dx = sum_j W_j* pool'(W_j x)^T dy_j``. Each worker fetches the input window its
+balanced block of the global output reads (``window_exchange``; halos of any width) and pools it
+without padding. Max pooling fills the parts of the window outside the global tensor with the lowest
+value (``-inf``); average pooling sums the window and divides by torch's divisor for every output
+(padding counted or not, ``ceil_mode`` windows clipped), computed from the global geometry. The
+backward is autograd's through ``window_scatter_add``, the exchange's adjoint.
+
+============================  =====================================================================
+worker                        does
+============================  =====================================================================
+in P_x, non-empty output      fetches its window, pools it, returns its block of ``y``
+in P_x, empty output block    serves others' windows, returns an empty block of the right shape
+outside P_x                   passes and gets a zero-volume tensor
+============================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from distdl.functional._common import check_flags, check_partition
+from distdl.nn import _windows
+from distdl.partition import MPIPartition
+
+__all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
+           "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
+
+_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+Size = int | tuple[int, ...]
+
+
+class _DistributedPoolNd(torch.nn.Module):
+    """Pool ``(N, C, *spatial)`` tensors partitioned by ``P_x`` (``d + 2`` dimensions; any axis may be split).
+
+    Args and defaults are torch's (``stride=None``: the kernel size); ``return_indices`` is not offered
+    (indices would be local to the window), and the average pools accept ``divisor_override`` in 1-d too.
+    Raises:
+        ValueError: a partition of the wrong dimension, or arguments torch would reject.
+    """
+
+    dims: int
+
+    def _setup(self, P_x: MPIPartition, kernel_size: Size, stride: Size | None, padding: Size, dilation: Size,
+               ceil_mode: bool) -> None:
+        name, d = type(self).__name__, self.dims
+        check_partition(name, "P_x", P_x)
+        if P_x.dim != d + 2:
+            raise ValueError(f"{name}: expected a partition of {d + 2} dimensions, got shape {P_x.shape}")
+        self.P_x = P_x
+        self.kernel_size = _windows.as_tuple(name, "kernel_size", kernel_size, d, minimum=1)
+        self.stride = _windows.as_tuple(name, "stride", stride or kernel_size, d, minimum=1)
+        self.padding = _windows.as_tuple(name, "padding", padding, d)
+        self.dilation = _windows.as_tuple(name, "dilation", dilation, d, minimum=1)
+        (self.ceil_mode,) = check_flags(name, ceil_mode=ceil_mode)
+        if any(p > k // 2 for p, k in zip(self.padding, self.kernel_size)):
+            raise ValueError(f"{name}: expected padding at most half the kernel size {self.kernel_size}, "
+                             f"got {self.padding}")
+
+    def _length(self, k: int, n: int) -> int:
+        p = self.padding[k]
+        return _windows.sliding_length(n, self.kernel_size[k], self.stride[k], p, p, self.dilation[k], self.ceil_mode)
+
+    def _source(self, k: int, n: int, length: int, o0: int, o1: int) -> tuple[int, int]:
+        return _windows.sliding_source(o0, o1, self.kernel_size[k], self.stride[k], self.padding[k], self.dilation[k])
+
+    def _windowed(self, x: torch.Tensor):
+        """Return ``(plan, window, output block shape)``, or ``(None, copy, None)`` outside ``P_x``."""
+        name = type(self).__name__
+        _windows.check_input(name, x, self.P_x)
+        if not self.P_x.active:
+            return None, x.clone(), None
+        key = ("pool", self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
+        plan = _windows.plan(name, x, self.P_x, key, None, self._length, self._source)
+        return plan, _windows.exchange(x, self.P_x, plan), tuple(b - a for a, b in plan.block)
+
+    def extra_repr(self) -> str:
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}, P_x shape={self.P_x.shape}")
+
+
+class _DistributedMaxPoolNd(_DistributedPoolNd):
+
+    def __init__(self, P_x: MPIPartition, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
+                 dilation: Size = 1, ceil_mode: bool = False) -> None:
+        super().__init__()
+        self._setup(P_x, kernel_size, stride, padding, dilation, ceil_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return this worker's block of the max pooling; zero-volume outside ``P_x``."""
+        plan, window, shape = self._windowed(x)
+        if plan is None:
+            return window
+        if 0 in shape:
+            return _windows.connect(window.new_zeros(shape), window)
+        inside = None
+        for k, ((a, b), n) in enumerate(zip(plan.window[2:], plan.x_shape[2:])):
+            if a < 0 or b > n:
+                index = torch.arange(a, b, device=x.device).view((-1,) + (1,) * (self.dims - 1 - k))
+                mask = (index >= 0) & (index < n)
+                inside = mask if inside is None else inside & mask
+        if inside is not None:
+            lowest = -torch.inf if window.is_floating_point() else torch.iinfo(window.dtype).min
+            window = window.masked_fill(~inside, lowest)
+        return _MAX[self.dims](window, self.kernel_size, self.stride, 0, self.dilation)
+
+
+class _DistributedAvgPoolNd(_DistributedPoolNd):
+
+    def __init__(self, P_x: MPIPartition, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
+                 ceil_mode: bool = False, count_include_pad: bool = True, divisor_override: int | None = None) -> None:
+        super().__init__()
+        self._setup(P_x, kernel_size, stride, padding, 1, ceil_mode)
+        (self.count_include_pad,) = check_flags(type(self).__name__, count_include_pad=count_include_pad)
+        if divisor_override is not None:
+            _windows.as_tuple(type(self).__name__, "divisor_override", divisor_override, 1, minimum=1)
+        self.divisor_override = divisor_override
+
+    def _divisor(self, plan: _windows.Plan) -> np.ndarray:
+        """Return torch's divisor of every output of this worker's block (broadcastable over N and C)."""
+        divisor = np.ones((1, 1) + (1,) * self.dims, dtype=np.int64)
+        for k, ((o0, o1), n) in enumerate(zip(plan.block[2:], plan.x_shape[2:])):
+            start = np.arange(o0, o1) * self.stride[k] - self.padding[k]
+            stop = np.minimum(start + self.kernel_size[k], n + self.padding[k])
+            if not self.count_include_pad:
+                start, stop = np.maximum(start, 0), np.minimum(stop, n)
+            divisor = divisor * np.maximum(stop - start, 1).reshape((-1,) + (1,) * (self.dims - 1 - k))
+        return divisor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return this worker's block of the average pooling; zero-volume outside ``P_x``."""
+        if x.is_complex() or x.dtype == torch.bool or (not x.is_floating_point() and x.dtype != torch.int64):
+            raise TypeError(f"{type(self).__name__}: expected a floating-point or int64 tensor, got {x.dtype}")
+        plan, window, shape = self._windowed(x)
+        if plan is None:
+            return window
+        if 0 in shape:
+            return _windows.connect(window.new_zeros(shape), window)
+        compute = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
+        window = window.to(compute)
+        if self.dims == 1:  # a sum pooling: torch's average with divisor 1
+            sums = F.avg_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride, 0, False, True,
+                                1).squeeze(-2)
+        else:
+            sums = (F.avg_pool2d if self.dims == 2 else F.avg_pool3d)(window, self.kernel_size, self.stride, 0,
+                                                                     False, True, 1)
+        divisor = self.divisor_override or torch.from_numpy(
+            self.P_x._memo(("avg divisor", self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                            self.count_include_pad, plan.x_shape), lambda: self._divisor(plan))
+        ).to(device=x.device, dtype=compute)
+        y = sums / divisor if x.is_floating_point() else torch.div(sums, divisor, rounding_mode="trunc")
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+                f"ceil_mode={self.ceil_mode}, count_include_pad={self.count_include_pad}, "
+                f"divisor_override={self.divisor_override}, P_x shape={self.P_x.shape}")
+
+
+class DistributedMaxPool1d(_DistributedMaxPoolNd):
+    """Max-pool ``(N, C, L)`` tensors partitioned by ``P_x``."""
+    dims = 1
+
+
+class DistributedMaxPool2d(_DistributedMaxPoolNd):
+    """Max-pool ``(N, C, H, W)`` tensors partitioned by ``P_x``."""
+    dims = 2
+
+
+class DistributedMaxPool3d(_DistributedMaxPoolNd):
+    """Max-pool ``(N, C, D, H, W)`` tensors partitioned by ``P_x``."""
+    dims = 3
+
+
+class DistributedAvgPool1d(_DistributedAvgPoolNd):
+    """Average-pool ``(N, C, L)`` tensors partitioned by ``P_x``."""
+    dims = 1
+
+
+class DistributedAvgPool2d(_DistributedAvgPoolNd):
+    """Average-pool ``(N, C, H, W)`` tensors partitioned by ``P_x``."""
+    dims = 2
+
+
+class DistributedAvgPool3d(_DistributedAvgPoolNd):
+    """Average-pool ``(N, C, D, H, W)`` tensors partitioned by ``P_x``."""
+    dims = 3

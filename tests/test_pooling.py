@@ -1,0 +1,109 @@
+"""DistributedMaxPool/AvgPool 1d/2d/3d: forward and input gradient equal torch's on the gathered tensors."""
+
+import pytest
+import torch
+
+from distdl.nn import pooling
+from distdl.testing import assert_adjoint, assert_sequential_equivalence, random_tensor, scatter
+from helpers import sizes
+
+# (partition shape, global input shape, common kwargs, extra max kwargs, extra avg kwargs): uneven splits,
+# split batch and channel axes, 2-d and 3-d partitions, blocks smaller than the window, empty output blocks.
+CASES = {
+    1: [((1, 1, 1, 1), (2, 2, 6, 5), dict(kernel_size=3, stride=2, padding=1), dict(dilation=(1, 2)),
+         dict(count_include_pad=False))],
+    2: [((1, 1, 2, 1), (1, 2, 7, 5), dict(kernel_size=2), {}, {}),
+        ((2, 1, 1), (3, 2, 9), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), dict(dilation=2),
+         dict(count_include_pad=False)),
+        ((1, 2, 1), (1, 3, 7), dict(kernel_size=3), {}, {})],
+    3: [((1, 1, 3), (1, 2, 5), dict(kernel_size=5, stride=1, padding=2), {}, dict(count_include_pad=False)),
+        ((1, 1, 1, 3), (1, 2, 4, 8), dict(kernel_size=(2, 3), stride=2, padding=1, ceil_mode=True), {},
+         dict(divisor_override=4)),
+        ((1, 1, 1, 3, 1), (1, 1, 3, 5, 4), dict(kernel_size=2), {}, {})],
+    4: [((1, 1, 2, 2), (2, 2, 7, 6), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), dict(dilation=2),
+         dict(count_include_pad=False)),
+        ((1, 1, 4), (1, 2, 5), dict(kernel_size=5, stride=1, padding=2), {}, {}),  # 5 pixels, 4 workers, kernel 5
+        ((1, 1, 4), (1, 2, 9), dict(kernel_size=3, stride=4), {}, {}),  # 2 outputs over 4 workers
+        ((2, 2, 1, 1), (3, 3, 5, 4), dict(kernel_size=2), {}, {}),
+        ((1, 1, 1, 2, 2), (1, 2, 3, 4, 5), dict(kernel_size=3, stride=2, padding=1), {}, dict(ceil_mode=True))],
+}
+
+
+def _layers(kind, dims, P_x, **kwargs):
+    name = f"{kind}Pool{dims}d"
+    return getattr(pooling, "Distributed" + name)(P_x, **kwargs), getattr(torch.nn, name)(**kwargs)
+
+
+def _check(P_x, layer, ref, x_shape, dtype=torch.float64, tol=1e-12, calls=2):
+    for call in range(calls):
+        shape = (x_shape[0] + call,) + tuple(x_shape[1:])  # the same layer with a larger batch
+        assert_sequential_equivalence(layer, ref, random_tensor(shape, seed=call).to(dtype), P_x, P_x, seed=call,
+                                      rtol=tol, atol=tol)
+
+
+@sizes(1, 2, 3, 4)
+def test_matches_torch(P_world, comm):
+    for P_shape, x_shape, kwargs, max_kwargs, avg_kwargs in CASES[comm.size]:
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        dims = len(P_shape) - 2
+        for kind, extra in (("Max", {}), ("Max", max_kwargs), ("Avg", {}), ("Avg", avg_kwargs)):
+            if extra or kind == "Max" and not max_kwargs or kind == "Avg" and not avg_kwargs:
+                _check(P_x, *_layers(kind, dims, P_x, **kwargs, **extra), x_shape)
+
+
+@sizes(1, 2, 3, 4)
+def test_adjoint_and_dtypes(P_world, comm):
+    P_shape, x_shape, kwargs, _, avg_kwargs = CASES[comm.size][0]
+    P_x = P_world.create_cartesian_topology_partition(P_shape)
+    dims = len(P_shape) - 2
+    layer, ref = _layers("Avg", dims, P_x, **kwargs, **avg_kwargs)
+    assert_adjoint(layer, random_tensor(scatter(torch.zeros(x_shape), P_x).shape, seed=comm.rank), comm)
+    _check(P_x, layer, ref, x_shape, dtype=torch.float32, tol=1e-6, calls=1)
+    x = random_tensor(x_shape, seed=4)
+    y = layer(scatter(x.bfloat16(), P_x))
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), scatter(ref(x), P_x), rtol=2e-2, atol=2e-2)
+    integers = (x * 100).long()
+    torch.testing.assert_close(layer(scatter(integers, P_x)), scatter(ref(integers), P_x), rtol=0, atol=0)
+    layer, ref = _layers("Max", dims, P_x, **kwargs)
+    if dims > 1:  # torch has no integer max_pool1d
+        torch.testing.assert_close(layer(scatter(integers, P_x)), scatter(ref(integers), P_x), rtol=0, atol=0)
+    x_local = scatter(x, P_x).transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous block
+    torch.testing.assert_close(layer(x_local), scatter(ref(x), P_x), rtol=0, atol=0)
+
+
+@sizes(3)
+def test_inactive_workers_and_one_worker(P_world, comm):
+    for ranks, P_shape in (([0], (1, 1, 1, 1)), ([1, 2], (1, 1, 1, 2))):
+        P_x = P_world.create_partition_inclusive(ranks).create_cartesian_topology_partition(P_shape)
+        for kind in ("Max", "Avg"):
+            layer, ref = _layers(kind, 2, P_x, kernel_size=3, stride=2, padding=1)
+            _check(P_x, layer, ref, (1, 2, 5, 4))
+            if not P_x.active:
+                assert layer(torch.zeros(0, dtype=torch.float64)).shape == (0,)
+                with pytest.raises(ValueError, match=rf"Distributed{kind}Pool2d: worker {comm.rank} is outside P_x"):
+                    layer(torch.ones(1, 2, 5, 4, dtype=torch.float64))
+
+
+@sizes(1, 2)
+def test_errors(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    with pytest.raises(ValueError, match=r"DistributedMaxPool2d: expected a partition of 4 dimensions, got shape"):
+        pooling.DistributedMaxPool2d(P_x, 2)
+    with pytest.raises(ValueError, match=r"DistributedAvgPool1d: expected padding at most half the kernel size "
+                                         r"\(3,\), got \(2,\)"):
+        pooling.DistributedAvgPool1d(P_x, 3, padding=2)
+    with pytest.raises(ValueError, match=r"DistributedMaxPool1d: expected stride as an int or a sequence of 1, "
+                                         r"each at least 1"):
+        pooling.DistributedMaxPool1d(P_x, 3, stride=(0,))
+    with pytest.raises(TypeError, match=r"DistributedMaxPool1d: expected a bool for ceil_mode, got 1"):
+        pooling.DistributedMaxPool1d(P_x, 3, ceil_mode=1)
+    layer = pooling.DistributedAvgPool1d(P_x, 3)
+    with pytest.raises(ValueError, match=rf"DistributedAvgPool1d: expected a tensor of 3 dimensions to match P_x of "
+                                         rf"shape \(1, 1, {comm.size}\), got shape \(2, 4\) on worker {comm.rank}"):
+        layer(torch.ones(2, 4))
+    with pytest.raises(TypeError, match="DistributedAvgPool1d: expected a floating-point or int64 tensor, got "
+                                        "torch.int32"):
+        layer(torch.ones(1, 2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"expected an input large enough for an output, got global shape"):
+        layer(torch.ones(1, 2, 1 if comm.rank == 0 else 0))
