@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from mpi4py import MPI
 
+from distdl.backends import cuda
+
 __all__ = ["buffer", "reduction_dtype", "empty", "contiguous"]
 
 _SUM_TYPES = {
@@ -30,6 +32,8 @@ def buffer(t: torch.Tensor, summed: bool = False) -> list:
     The specification holds only the address: keep ``t`` referenced until MPI is done with it
     (never pass a temporary such as ``buffer(x.contiguous())`` to a non-blocking call).
     """
+    if t.is_cuda:
+        cuda.prepare(t)
     nbytes = t.numel() * t.element_size()
     memory = MPI.buffer.fromaddress(t.data_ptr(), nbytes)
     if summed:

@@ -27,6 +27,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
                                        decode_header, encode_header, resolve_axes)
 from distdl.functional.all_sum_reduce import fibre
@@ -36,6 +37,7 @@ from distdl.utilities.slicing import compute_start_index, compute_stop_index
 __all__ = ["all_gather"]
 
 
+@host_staged
 def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int] | None = None,
                axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return the blocks of this worker's fibre of ``P_x`` along ``axes_all_gather``, assembled.

@@ -19,12 +19,14 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, resolve_axes
 from distdl.partition import MPIPartition
 
 __all__ = ["all_sum_reduce"]
 
 
+@host_staged
 def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                    axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return the sum of ``x`` over this worker's fibre of ``P_x`` along ``axes_reduce``.

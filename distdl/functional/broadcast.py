@@ -25,6 +25,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, decode_header,
                                        empty_header, encode_header, grad_like, zero_volume_like)
 from distdl.partition import MPIPartition
@@ -32,6 +33,7 @@ from distdl.partition import MPIPartition
 __all__ = ["broadcast"]
 
 
+@host_staged
 def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool = False,
               transpose_dest: bool = False, preserve_batch: bool = True) -> torch.Tensor:
     """Return the block of ``P_x`` that broadcasts to this worker of ``P_y``.

@@ -34,6 +34,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
 from distdl.partition import MPIPartition
 
@@ -45,6 +46,7 @@ _TAG = 0x4841  # base tag; a message travelling right along dimension d has tag 
 _MAX_SCRATCH = 64  # pack/unpack buffers cached per partition (per slab shape, dtype and device)
 
 
+@host_staged
 def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None, recv_buffer_shape: Widths | None,
                   send_buffer_shape: Widths | None) -> torch.Tensor:
     """Return a copy of ``x`` whose ghost regions are filled from the neighbours' interiors.
@@ -68,6 +70,7 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
     return _HaloExchange.apply(x, P_x, widths)
 
 
+@host_staged
 def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
                           recv_buffer_shape: Widths | None, send_buffer_shape: Widths | None) -> torch.Tensor:
     """Return the adjoint of :func:`halo_exchange` applied to ``y``: ghosts sent back and added to their owners.
@@ -165,8 +168,6 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
             out, into = t.narrow(d, *outgoing[side]), t.narrow(d, *incoming[side])
             packed = out if out.is_contiguous() else _scratch(P_x, out, ("out", side)).copy_(out)
             arrival = into if into.is_contiguous() and not adjoint else _scratch(P_x, into, ("in", side))
-            if t.is_cuda:  # MPI reads the memory directly: let the packing kernels finish first
-                torch.cuda.current_stream(t.device).synchronize()
             requests.append(P_x.comm.Irecv(transport.buffer(arrival), source=peer, tag=_TAG + 2 * d + 1 - side))
             requests.append(P_x.comm.Isend(transport.buffer(packed), dest=peer, tag=_TAG + 2 * d + side))
             arrivals.append((side, peer, into, arrival))

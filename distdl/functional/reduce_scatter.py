@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, encode_header,
                                        resolve_axes)
 from distdl.functional.all_gather import all_gather, block_slices, exchange_headers, in_rank_order
@@ -32,6 +33,7 @@ from distdl.partition import MPIPartition
 __all__ = ["reduce_scatter"]
 
 
+@host_staged
 def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iterable[int] | None = None,
                    axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return this worker's balanced block of the sum of ``x`` over its fibre along ``axes_reduce_scatter``.

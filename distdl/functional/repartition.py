@@ -26,6 +26,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
                                        decode_header, empty_header, encode_header, grad_like, zero_volume_like)
 from distdl.partition import MPIPartition
@@ -37,6 +38,7 @@ _TAG = 7301
 _PLANS_KEPT = 16  # overlap plans kept per union, keyed by direction and the blocks' shapes and dtype
 
 
+@host_staged
 def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_batch: bool = True) -> torch.Tensor:
     """Return this worker's block over ``P_y`` of the global tensor whose blocks over ``P_x`` are ``x``.
 

@@ -27,6 +27,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_tensor, decode_header,
                                        encode_header, grad_like, zero_volume_like)
 from distdl.functional.broadcast import broadcast, broadcast_plan, check_broadcastable
@@ -35,6 +36,7 @@ from distdl.partition import MPIPartition
 __all__ = ["sum_reduce"]
 
 
+@host_staged
 def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool = False,
                transpose_dest: bool = False, preserve_batch: bool = True) -> torch.Tensor:
     """Return the sum of the blocks of ``P_x`` that reduce onto this worker of ``P_y``.

@@ -24,6 +24,7 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
+from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
@@ -34,6 +35,7 @@ _TAG = 7402
 Windows = tuple[tuple[tuple[int, int], ...], ...]  # per worker of P_x (rank order), per dimension, [start, stop)
 
 
+@host_staged
 def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
                     windows: Windows) -> torch.Tensor:
     """Return ``x_global[window]`` of this worker's window, zero outside the global tensor.
@@ -49,6 +51,7 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
     return _Window.apply(x, P_x, tuple(x_global_shape), windows, True)
 
 
+@host_staged
 def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
                        windows: Windows) -> torch.Tensor:
     """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor."""

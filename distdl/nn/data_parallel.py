@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import check_partition
 from distdl.partition import MPIPartition
@@ -151,7 +152,8 @@ class _Bucket:
     """Gradients of several parameters of one dtype, flattened into one buffer for one reduction."""
 
     def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> None:
-        self.params, self.dtype, self.device = params, dtype, params[0].device
+        self.params, self.dtype = params, dtype
+        self.device = cuda.buffer_device(params[0].device)  # the host when CUDA tensors are staged
         self.sizes = [p.numel() for p in params]
         self.total = sum(self.sizes)
         self.flat: torch.Tensor | None = None  # allocated on first use, then reused
@@ -166,8 +168,6 @@ class _Bucket:
                 segment.zero_() if p.grad is None else segment.copy_(p.grad)
             presence = [p.grad is not None for p in self.params]
             self.flat[self.total:].copy_(torch.tensor(presence, dtype=self.dtype))
-        if self.flat.is_cuda:
-            torch.cuda.current_stream(self.flat.device).synchronize()
         self.request = comm.Iallreduce(MPI.IN_PLACE, transport.buffer(self.flat, summed=True), op=MPI.SUM)
 
     def finish(self, divisor: int) -> None:
@@ -181,10 +181,7 @@ class _Bucket:
                     continue  # no member had a gradient: it stays None
                 if p.grad is None:
                     p.grad = torch.empty_like(p, dtype=_grad_dtype(p), requires_grad=False)
-                if divisor == 1:
-                    p.grad.copy_(segment)
-                else:  # divide on the way out: one pass over the memory
-                    torch.div(segment, divisor, out=p.grad)
+                p.grad.copy_(segment if divisor == 1 else segment.div_(divisor))
 
     def _segments(self) -> Iterator[torch.Tensor]:
         offset = 0

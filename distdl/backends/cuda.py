@@ -1,0 +1,155 @@
+"""CUDA tensors over MPI: direct with a CUDA-aware MPI, staged through pinned host memory otherwise.
+
+The mode is chosen once per process:
+
+- ``DISTDL_CUDA_AWARE_MPI=1`` hands device memory straight to MPI (after synchronising the
+  current stream, which MPI cannot see); ``DISTDL_CUDA_AWARE_MPI=0`` stages through the host.
+- Unset, the first CUDA tensor triggers a probe: a child process sends a device buffer to
+  itself through MPI. If that fails in any way (wrong data, error, crash, time-out) distdl
+  stages; the probe can never crash the calling process.
+
+Staging happens at the boundary of each primitive (:func:`host_staged`): the input is copied
+with a non-blocking device-to-host copy into a reusable pinned buffer, the one CPU
+implementation of the primitive runs, and the result is copied back to the device. Both copies
+are autograd operations, so backward (and double backward) stage the same way. Several ranks may
+share one GPU; :func:`device_for_rank` maps each rank on a node to a device.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import subprocess
+import sys
+
+import torch
+from mpi4py import MPI
+
+__all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged"]
+
+_log = logging.getLogger("distdl")
+_mode: bool | None = None  # True: CUDA-aware, False: staged, None: not decided yet
+_pools: dict[torch.device, torch.Tensor] = {}
+# Test seam: stage CPU tensors too, through an unpinned pool, so CI without a GPU runs the staging path.
+stage_cpu_for_tests = False
+
+_PROBE = r"""
+import torch
+from mpi4py import MPI
+x = torch.arange(1024, dtype=torch.float32, device="cuda")
+y = torch.zeros_like(x)
+torch.cuda.synchronize()
+addr = lambda t: MPI.buffer.fromaddress(t.data_ptr(), t.numel() * 4)
+MPI.COMM_SELF.Sendrecv([addr(x), MPI.BYTE], 0, 0, [addr(y), MPI.BYTE], 0, 0)
+torch.cuda.synchronize()
+print("ok" if torch.equal(x, y) else "mismatch")
+"""
+
+
+def cuda_aware() -> bool:
+    """Return whether CUDA tensors go to MPI directly (decided once: environment, else probe)."""
+    global _mode
+    if _mode is None:
+        setting = os.environ.get("DISTDL_CUDA_AWARE_MPI", "").strip()
+        if setting in ("0", "1"):
+            _mode = setting == "1"
+        else:
+            _mode = _probe()
+            if not _mode:
+                _log.info("distdl: MPI is not CUDA-aware; staging CUDA tensors through pinned host memory "
+                          "(set DISTDL_CUDA_AWARE_MPI=1 to force direct transfers, =0 to skip the probe)")
+    return _mode
+
+
+def _probe() -> bool:
+    # The child must start its own MPI, not join this job: drop the launcher's variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_"))}
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and done.stdout.strip().endswith("ok")
+
+
+def prepare(t: torch.Tensor) -> None:
+    """Make a CUDA tensor's memory safe to hand to MPI: the producing stream must be finished."""
+    if not cuda_aware():
+        raise RuntimeError("distdl: a CUDA tensor reached MPI, which is not CUDA-aware here; stage it with "
+                           "distdl.backends.cuda.host_staged or set DISTDL_CUDA_AWARE_MPI=1")
+    torch.cuda.current_stream(t.device).synchronize()
+
+
+def buffer_device(device: torch.device) -> torch.device:
+    """Return where MPI buffers for tensors on ``device`` live: the device, or the host when staging."""
+    return torch.device("cpu") if device.type == "cuda" and not cuda_aware() else device
+
+
+def _needs_staging(x: torch.Tensor) -> bool:
+    if x.is_cuda:
+        return not cuda_aware()
+    return stage_cpu_for_tests and x.device.type == "cpu"
+
+
+def _pool(device: torch.device, nbytes: int) -> torch.Tensor:
+    """Return a reusable host buffer of at least ``nbytes`` for ``device`` (pinned for CUDA)."""
+    pool = _pools.get(device)
+    if pool is None or pool.numel() < nbytes:
+        size = max(nbytes, 2 * (0 if pool is None else pool.numel()), 1 << 16)
+        pool = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        _pools[device] = pool
+    return pool
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """Copy ``x`` into the reusable host buffer (stream-ordered, then waited for)."""
+    nbytes = x.numel() * x.element_size()
+    host = _pool(x.device, nbytes)[:nbytes].view(x.dtype).view(x.shape)
+    host.copy_(x, non_blocking=True)
+    if x.is_cuda:
+        torch.cuda.current_stream(x.device).synchronize()
+    return host
+
+
+class _ToHost(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.device = x.device
+        return _to_host(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ToDevice.apply(grad, ctx.device)
+
+
+class _ToDevice(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y, device):
+        return y.to(device, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ToHost.apply(grad), None
+
+
+def host_staged(function):
+    """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it."""
+    @functools.wraps(function)
+    def staged(x, *args, **kwargs):
+        if not isinstance(x, torch.Tensor) or not _needs_staging(x):
+            return function(x, *args, **kwargs)
+        # The primitive never returns an alias of its input, so the pool is free again on return.
+        return _ToDevice.apply(function(_ToHost.apply(x), *args, **kwargs), x.device)
+    return staged
+
+
+def device_for_rank(comm: MPI.Comm = MPI.COMM_WORLD) -> torch.device:
+    """Return the CUDA device of this rank: its rank on the node modulo the visible devices (CPU if none)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_rank = node.rank
+    node.Free()
+    return torch.device("cuda", local_rank % torch.cuda.device_count())

@@ -1,0 +1,97 @@
+"""The device paths of the transport: host staging (through the CPU seam on CI) and CUDA tensors.
+
+The staging seam (``distdl.backends.cuda.stage_cpu_for_tests``) routes CPU tensors through the
+same staging code CUDA tensors take when MPI is not CUDA-aware, so CI exercises it without a GPU.
+CUDA cases run when a GPU is present and skip otherwise.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from distdl.backends import cuda
+from distdl.functional.all_gather import all_gather
+from distdl.functional.all_sum_reduce import all_sum_reduce
+from distdl.functional.broadcast import broadcast
+from distdl.functional.repartition import repartition
+from distdl.functional.sum_reduce import sum_reduce
+from distdl.testing import assert_adjoint, random_tensor, scatter
+from helpers import sizes
+
+DEVICES = [pytest.param("staged", id="cpu-staged"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                   reason="no CUDA device on this machine"))]
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    if request.param == "staged":
+        monkeypatch.setattr(cuda, "stage_cpu_for_tests", True)
+        return torch.device("cpu")
+    return cuda.device_for_rank()
+
+
+def operators(P_world, n):
+    P_x = P_world.create_cartesian_topology_partition([n, 1])
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    return {
+        "all_sum_reduce": (lambda t: all_sum_reduce(t, P_x, axes_reduce=[0]), (3, 4)),
+        "all_gather": (lambda t: all_gather(t, P_x, axes_all_gather=[0]), (2, 4)),
+        "broadcast": (lambda t: broadcast(t, P_0, P_x), (3, 4) if P_0.active else (0,)),
+        "sum_reduce": (lambda t: sum_reduce(t, P_x, P_0), (3, 4)),
+        "repartition": (lambda t: repartition(t, P_0, P_x), (5, 2) if P_0.active else (0,)),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@sizes(1, 2, 3)
+def test_primitives_on_device(P_world, comm, device):
+    for name, (op, shape) in operators(P_world, comm.size).items():
+        x = random_tensor(shape, seed=comm.rank).to(device)
+        reference_mode = cuda.stage_cpu_for_tests
+        y = op(x)
+        assert y.device.type == device.type, name
+        cuda.stage_cpu_for_tests = False  # the same operator without staging, on the CPU
+        expected = op(x.cpu())
+        cuda.stage_cpu_for_tests = reference_mode
+        torch.testing.assert_close(y.cpu(), expected, rtol=0, atol=0, msg=name)
+        assert_adjoint(op, x, comm)
+
+
+@sizes(2)
+def test_staging_reuses_its_buffer(P_world, comm, monkeypatch):
+    monkeypatch.setattr(cuda, "stage_cpu_for_tests", True)
+    monkeypatch.setattr(cuda, "_pools", {})
+    x = random_tensor((64,), seed=comm.rank)
+    all_sum_reduce(x, P_world, axes_reduce=[0])
+    pool = cuda._pools[torch.device("cpu")]
+    for _ in range(3):
+        y = all_sum_reduce(x, P_world, axes_reduce=[0])
+    assert cuda._pools[torch.device("cpu")] is pool  # no per-call allocation of the staging buffer
+    torch.testing.assert_close(y, sum(random_tensor((64,), seed=r) for r in range(2)))
+
+
+def test_mode_from_environment(monkeypatch):
+    for value, expected in (("1", True), ("0", False)):
+        monkeypatch.setattr(cuda, "_mode", None)
+        monkeypatch.setenv("DISTDL_CUDA_AWARE_MPI", value)
+        assert cuda.cuda_aware() is expected
+    monkeypatch.setattr(cuda, "_mode", None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the probe's fallback where no GPU exists")
+def test_probe_falls_back_without_crashing(monkeypatch):
+    monkeypatch.setattr(cuda, "_mode", None)
+    monkeypatch.delenv("DISTDL_CUDA_AWARE_MPI", raising=False)
+    assert cuda.cuda_aware() is False  # the child process fails; this one carries on
+    monkeypatch.setattr(cuda, "_mode", None)
+
+
+def test_device_for_rank_without_gpu():
+    if torch.cuda.is_available():
+        assert cuda.device_for_rank().type == "cuda"
+    else:
+        assert cuda.device_for_rank() == torch.device("cpu")
