@@ -10,10 +10,11 @@ Importing distdl writes nothing: it logs through ``logging.getLogger("distdl")``
 import logging
 
 from distdl import abort
+from distdl.backends import info
 from distdl.checks import CollectiveMismatchError, check_mode, checking, set_check_mode
 from distdl.partition import MPIPartition
 
-__all__ = ["MPIPartition", "CollectiveMismatchError", "check_mode", "checking", "set_check_mode", "__version__"]
+__all__ = ["MPIPartition", "CollectiveMismatchError", "check_mode", "checking", "info", "set_check_mode", "__version__"]
 
 __version__ = "0.1.0"
 

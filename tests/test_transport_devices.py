@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.functional.all_gather import all_gather
@@ -95,3 +96,13 @@ def test_device_for_rank_without_gpu():
         assert cuda.device_for_rank().type == "cuda"
     else:
         assert cuda.device_for_rank() == torch.device("cpu")
+
+
+def test_info_reports_the_transport():
+    import distdl
+    report = distdl.info()
+    assert report["mpi_vendor"].startswith(MPI.get_vendor()[0])
+    assert report["thread_level"] in ("single", "funneled", "serialized", "multiple")
+    assert report["world_size"] == MPI.COMM_WORLD.size
+    if not torch.cuda.is_available():
+        assert report["cuda_transport"].startswith("CPU only") and report["devices"] == []
