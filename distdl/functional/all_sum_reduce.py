@@ -21,6 +21,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, resolve_axes
+from distdl.checks import verify
 from distdl.partition import MPIPartition
 
 __all__ = ["all_sum_reduce"]
@@ -45,6 +46,7 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
     axes = validate("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
     if not P_x.active:
         return x.clone()
+    verify("all_sum_reduce", fibre(P_x, axes), x)
     return _AllSumReduce.apply(x, P_x, axes, fibre(P_x, axes))
 
 

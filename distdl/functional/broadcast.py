@@ -28,6 +28,8 @@ from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, decode_header,
                                        empty_header, encode_header, grad_like, zero_volume_like)
+from distdl.functional.repartition import union
+from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
 
 __all__ = ["broadcast"]
@@ -59,6 +61,8 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
     header = encode_header(where, x)
     check_idle_input(where, P_x, x)
     P_send, P_recv = broadcast_plan(P_x, P_y, transpose_src, transpose_dest)
+    if check_mode():  # the workers of both partitions take part; receivers hold placeholders
+        verify(where, union(P_x, P_y) or P_x, agree=())
     if not (P_send.active or P_recv.active):
         return x.clone()
     return _Broadcast.apply(x, P_x, P_y, (transpose_src, transpose_dest, preserve_batch), header, P_send, P_recv)

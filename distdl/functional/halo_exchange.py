@@ -36,6 +36,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
+from distdl.checks import verify
 from distdl.partition import MPIPartition
 
 __all__ = ["halo_exchange", "halo_exchange_adjoint"]
@@ -65,6 +66,7 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
             dimension; data on a worker outside ``P_x``; neighbours that disagree on a slab's size.
     """
     widths = _validate("halo_exchange", x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
+    verify("halo_exchange", P_x, x, ("dim", "dtype", "device"))
     if not P_x.active:
         return x.clone()
     return _HaloExchange.apply(x, P_x, widths)
@@ -80,6 +82,7 @@ def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths
     """
     widths = _validate("halo_exchange_adjoint", y, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
     transport.reduction_dtype("halo_exchange_adjoint", y.dtype)
+    verify("halo_exchange_adjoint", P_x, y, ("dim", "dtype", "device"))
     if not P_x.active:
         return y.clone()
     return _HaloExchangeAdjoint.apply(y, P_x, widths)

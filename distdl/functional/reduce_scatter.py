@@ -28,6 +28,7 @@ from distdl.functional._common import (check_dim, check_idle_input, check_partit
                                        resolve_axes)
 from distdl.functional.all_gather import all_gather, block_slices, exchange_headers, in_rank_order
 from distdl.functional.all_sum_reduce import fibre
+from distdl.checks import verify
 from distdl.partition import MPIPartition
 
 __all__ = ["reduce_scatter"]
@@ -69,6 +70,7 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
         if shape != shapes[0]:
             raise ValueError(f"{where}: expected the same shape on every member of the fibre, got {shapes[0]} on "
                              f"worker {P_fibre.root_ranks[0]} and {shape} on worker {P_fibre.root_ranks[r]}")
+    verify(where, P_fibre, x)
     return _ReduceScatter.apply(x, P_x, axes, P_fibre)
 
 

@@ -31,6 +31,8 @@ from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_tensor, decode_header,
                                        encode_header, grad_like, zero_volume_like)
 from distdl.functional.broadcast import broadcast, broadcast_plan, check_broadcastable
+from distdl.functional.repartition import union
+from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
 
 __all__ = ["sum_reduce"]
@@ -66,6 +68,8 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
     transport.reduction_dtype(where, x.dtype)
     check_idle_input(where, P_x, x)
     P_send, P_recv = reduction_plan(P_x, P_y, transpose_src, transpose_dest)
+    if check_mode():  # the workers of both partitions take part; receivers hold placeholders
+        verify(where, union(P_x, P_y) or P_x, agree=())
     if not (P_send.active or P_recv.active):
         return x.clone()
     return _SumReduce.apply(x, P_x, P_y, (transpose_src, transpose_dest, preserve_batch), header, P_send, P_recv)

@@ -26,6 +26,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
+from distdl.checks import verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
 
@@ -48,6 +49,7 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
             windows of the wrong count or dimension, or data outside ``P_x``.
     """
     _check("window_exchange", x, P_x, x_global_shape, windows, "block")
+    verify("window_exchange", P_x, x, ("dtype", "device"))
     return _Window.apply(x, P_x, tuple(x_global_shape), windows, True)
 
 
@@ -56,6 +58,7 @@ def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple
                        windows: Windows) -> torch.Tensor:
     """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor."""
     _check("window_scatter_add", y, P_x, x_global_shape, windows, "window")
+    verify("window_scatter_add", P_x, y, ("dtype", "device"))
     return _Window.apply(y, P_x, tuple(x_global_shape), windows, False)
 
 
