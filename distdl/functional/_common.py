@@ -51,6 +51,18 @@ def zero_volume_like(x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
     return zero_volume_tensor(b, dtype=x.dtype, device=x.device)
 
 
+def in_graph(x: torch.Tensor) -> torch.Tensor:
+    """Return ``x``, made to require grad when grad mode is on, so every worker runs the adjoint.
+
+    A collective's backward needs every member: a worker whose input (a zero-volume placeholder,
+    or data) needs no gradient must still take part in the backward of the others. The gradient
+    computed for such an input is discarded.
+    """
+    if torch.is_grad_enabled() and not x.requires_grad and (x.is_floating_point() or x.is_complex()):
+        return x.detach().requires_grad_()
+    return x
+
+
 def grad_like(grad: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
     """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape).
 

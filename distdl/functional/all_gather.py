@@ -29,7 +29,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       decode_header, encode_header, resolve_axes)
+                                       decode_header, encode_header, in_graph, resolve_axes)
 from distdl.functional.all_sum_reduce import fibre
 from distdl.checks import verify
 from distdl.partition import MPIPartition
@@ -70,7 +70,7 @@ def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int
     shapes = exchange_headers(where, P_fibre, header)
     global_shape = _global_shape(where, P_fibre, axes, shapes)
     verify(where, P_fibre, x, ("dim", "dtype", "device"))
-    return _AllGather.apply(x, P_x, axes, P_fibre, global_shape)
+    return _AllGather.apply(in_graph(x), P_x, axes, P_fibre, global_shape)
 
 
 def exchange_headers(where: str, P_fibre: MPIPartition, header: np.ndarray) -> list[tuple[int, ...]]:

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, resolve_axes
+from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph, resolve_axes
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 
@@ -47,7 +47,7 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
     if not P_x.active:
         return x.clone()
     verify("all_sum_reduce", fibre(P_x, axes), x)
-    return _AllSumReduce.apply(x, P_x, axes, fibre(P_x, axes))
+    return _AllSumReduce.apply(in_graph(x), P_x, axes, fibre(P_x, axes))
 
 
 def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None,

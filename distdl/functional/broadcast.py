@@ -27,7 +27,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, decode_header,
-                                       empty_header, encode_header, grad_like, zero_volume_like)
+                                       empty_header, encode_header, grad_like, in_graph, zero_volume_like)
 from distdl.functional.repartition import union
 from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
@@ -65,7 +65,8 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (P_send.active or P_recv.active):
         return x.clone()
-    return _Broadcast.apply(x, P_x, P_y, (transpose_src, transpose_dest, preserve_batch), header, P_send, P_recv)
+    flags = (transpose_src, transpose_dest, preserve_batch)
+    return _Broadcast.apply(in_graph(x), P_x, P_y, flags, header, P_send, P_recv)
 
 
 def check_broadcastable(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
+from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 
@@ -69,7 +69,7 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
     verify("halo_exchange", P_x, x, ("dim", "dtype", "device"))
     if not P_x.active:
         return x.clone()
-    return _HaloExchange.apply(x, P_x, widths)
+    return _HaloExchange.apply(in_graph(x), P_x, widths)
 
 
 @host_staged
@@ -85,7 +85,7 @@ def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths
     verify("halo_exchange_adjoint", P_x, y, ("dim", "dtype", "device"))
     if not P_x.active:
         return y.clone()
-    return _HaloExchangeAdjoint.apply(y, P_x, widths)
+    return _HaloExchangeAdjoint.apply(in_graph(y), P_x, widths)
 
 
 def _as_widths(where: str, name: str, value, dim: int) -> tuple[tuple[int, int], ...]:

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import torch
 
 from distdl.functional.all_sum_reduce import all_sum_reduce, validate
+from distdl.functional._common import in_graph
 from distdl.partition import MPIPartition
 
 __all__ = ["all_sum_reduce_forward", "all_sum_reduce_backward"]
@@ -42,14 +43,14 @@ def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iter
                            axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return the fibre sum of ``x`` (forward: all-sum-reduce; backward: identity)."""
     axes = validate("all_sum_reduce_forward", x, P_x, axes_reduce, axes_keep)
-    return _Pair.apply(x, all_sum_reduce(x.detach(), P_x, axes), P_x, axes, True)
+    return _Pair.apply(in_graph(x), all_sum_reduce(x.detach(), P_x, axes), P_x, axes, True)
 
 
 def all_sum_reduce_backward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                             axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return a copy of ``x`` (forward: identity; backward: all-sum-reduce of the gradient)."""
     axes = validate("all_sum_reduce_backward", x, P_x, axes_reduce, axes_keep)
-    return _Pair.apply(x, x.detach().clone(), P_x, axes, False)
+    return _Pair.apply(in_graph(x), x.detach().clone(), P_x, axes, False)
 
 
 class _Pair(torch.autograd.Function):

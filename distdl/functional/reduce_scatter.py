@@ -25,7 +25,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, encode_header,
-                                       resolve_axes)
+                                       in_graph, resolve_axes)
 from distdl.functional.all_gather import all_gather, block_slices, exchange_headers, in_rank_order
 from distdl.functional.all_sum_reduce import fibre
 from distdl.checks import verify
@@ -71,7 +71,7 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
             raise ValueError(f"{where}: expected the same shape on every member of the fibre, got {shapes[0]} on "
                              f"worker {P_fibre.root_ranks[0]} and {shape} on worker {P_fibre.root_ranks[r]}")
     verify(where, P_fibre, x)
-    return _ReduceScatter.apply(x, P_x, axes, P_fibre)
+    return _ReduceScatter.apply(in_graph(x), P_x, axes, P_fibre)
 
 
 class _ReduceScatter(torch.autograd.Function):

@@ -28,7 +28,8 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       decode_header, empty_header, encode_header, grad_like, zero_volume_like)
+                                       decode_header, empty_header, encode_header, grad_like, in_graph,
+                                       zero_volume_like)
 from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index, compute_subshape
@@ -64,7 +65,7 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
         encode_header(where, x)  # rejects dtypes that cannot be described to receivers
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
-    return _Repartition.apply(x, P_x, P_y, bool(preserve_batch))
+    return _Repartition.apply(in_graph(x), P_x, P_y, bool(preserve_batch))
 
 
 def check_pair(where: str, P_x: object, P_y: object) -> None:

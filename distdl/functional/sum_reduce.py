@@ -28,8 +28,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (check_flags, check_idle_input, check_tensor, decode_header,
-                                       encode_header, grad_like, zero_volume_like)
+from distdl.functional._common import (check_flags, check_idle_input, check_tensor, decode_header, encode_header,
+                                       grad_like, in_graph, zero_volume_like)
 from distdl.functional.broadcast import broadcast, broadcast_plan, check_broadcastable
 from distdl.functional.repartition import union
 from distdl.checks import check_mode, verify
@@ -72,7 +72,8 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (P_send.active or P_recv.active):
         return x.clone()
-    return _SumReduce.apply(x, P_x, P_y, (transpose_src, transpose_dest, preserve_batch), header, P_send, P_recv)
+    flags = (transpose_src, transpose_dest, preserve_batch)
+    return _SumReduce.apply(in_graph(x), P_x, P_y, flags, header, P_send, P_recv)
 
 
 def reduction_plan(P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool,

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor
+from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
@@ -50,7 +50,7 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
     """
     _check("window_exchange", x, P_x, x_global_shape, windows, "block")
     verify("window_exchange", P_x, x, ("dtype", "device"))
-    return _Window.apply(x, P_x, tuple(x_global_shape), windows, True)
+    return _Window.apply(in_graph(x), P_x, tuple(x_global_shape), windows, True)
 
 
 @host_staged
@@ -59,7 +59,7 @@ def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple
     """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor."""
     _check("window_scatter_add", y, P_x, x_global_shape, windows, "window")
     verify("window_scatter_add", P_x, y, ("dtype", "device"))
-    return _Window.apply(y, P_x, tuple(x_global_shape), windows, False)
+    return _Window.apply(in_graph(y), P_x, tuple(x_global_shape), windows, False)
 
 
 def _check(where, t, P_x, shape, windows, what):

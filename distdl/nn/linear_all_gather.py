@@ -29,7 +29,8 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, encode_header
+from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
+                                       in_graph)
 from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
@@ -153,7 +154,7 @@ def _all_gather_linear(where, x, weight, P_x, axis):
     if weight.shape[1] != k:
         raise ValueError(f"{where}: expected a weight of {k} columns (the gathered features), got shape "
                          f"{tuple(weight.shape)} on worker {P_x._root.rank}")
-    return _AllGatherLinear.apply(x, weight, P_x, axis, P_fibre, shapes)
+    return _AllGatherLinear.apply(in_graph(x), weight, P_x, axis, P_fibre, shapes)
 
 
 class _AllGatherLinear(torch.autograd.Function):

@@ -30,7 +30,8 @@ import torch
 from mpi4py import MPI
 
 from distdl.backends import mpi as transport
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, encode_header
+from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
+                                       in_graph)
 from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.reduce_scatter import reduce_scatter
@@ -77,7 +78,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
                 raise ValueError(f"{where}: expected products of one shape on every member of the fibre, got "
                                  f"{shapes[0]} on worker {P_fibre.root_ranks[0]} and {shape} on worker "
                                  f"{P_fibre.root_ranks[j]}")
-    return _LinearReduceScatter.apply(x, weight, P_y, axis, P_fibre)
+    return _LinearReduceScatter.apply(in_graph(x), weight, P_y, axis, P_fibre)
 
 
 class _LinearReduceScatter(torch.autograd.Function):

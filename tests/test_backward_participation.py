@@ -1,0 +1,54 @@
+"""Every worker takes part in a primitive's backward, also where its input needs no gradient.
+
+A collective's adjoint needs all its members. A receive-only worker holds a placeholder that does
+not require grad (or a worker feeds in data); without care its output would carry no autograd
+history, its backward would skip the adjoint and the workers waiting for it would hang.
+"""
+
+import torch
+
+from distdl.functional import all_sum_reduce, broadcast, repartition, sum_reduce
+from distdl.nn import DistributedLinear
+from distdl.testing import random_tensor
+from distdl.utilities.torch import zero_volume_tensor
+from helpers import sizes
+
+
+@sizes(2, 3)
+def test_placeholders_without_grad(P_world, comm):
+    n = comm.size
+    P_0 = P_world.create_partition_inclusive([0])
+    P_all = P_world.create_cartesian_topology_partition([n])
+    # Only rank 0 has an input that requires grad; the others pass plain placeholders or data.
+    x = random_tensor((4,), seed=1).requires_grad_() if P_0.active else zero_volume_tensor(dtype=torch.float64)
+    y = broadcast(x, P_0, P_all)
+    assert y.requires_grad
+    y.backward(torch.ones_like(y))
+    if P_0.active:
+        torch.testing.assert_close(x.grad, torch.full((4,), float(n), dtype=torch.float64))
+    data = random_tensor((3,), seed=comm.rank)  # data: no grad on any worker but rank 0
+    if comm.rank == 0:
+        data.requires_grad_()
+    z = all_sum_reduce(data, P_all, axes_reduce=[0])
+    z.sum().backward()
+    if comm.rank == 0:
+        torch.testing.assert_close(data.grad, torch.full((3,), float(n), dtype=torch.float64))
+    w = sum_reduce(random_tensor((2,), seed=comm.rank), P_all, P_0)
+    w.sum().backward()  # a no-grad input everywhere: runs without hanging
+    v = repartition(random_tensor((n, 2), seed=0) if P_0.active else zero_volume_tensor(dtype=torch.float64),
+                    P_0.create_cartesian_topology_partition([1, 1]), P_all.create_cartesian_topology_partition([n, 1]))
+    v.sum().backward()
+
+
+@sizes(3)
+def test_linear_with_receive_only_output_worker(P_world, comm):
+    """DistributedLinear whose P_y worker is outside P_x and P_w, with an input that needs no gradient."""
+    P_x = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    P_w = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition([2, 1])
+    P_y = P_world.create_partition_inclusive([1, 2]).create_cartesian_topology_partition([1, 2])
+    layer = DistributedLinear(P_x, P_y, P_w, 4, 5).double()
+    x = random_tensor((3, 4), seed=0) if P_x.active else zero_volume_tensor(dtype=torch.float64)
+    y = layer(x)
+    y.sum().backward()  # every rank returns: the adjoint ran on all of them
+    if P_w.active:
+        assert layer.weight.grad is not None
