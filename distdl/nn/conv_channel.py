@@ -26,7 +26,6 @@ computed and discarded.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -131,24 +130,13 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
                                       (co, ci) + (None,) * self.dims),
                 "bias": StateLayout((self.out_channels,), (co,))}
 
-    @contextlib.contextmanager
-    def _state_on_weights(self):
-        # CollectStateMixin gathers over ``self.P_x``; this layer's parameters live on P_w.
-        P_x, self.P_x = self.P_x, self.P_w
-        try:
-            yield
-        finally:
-            self.P_x = P_x
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        with self._state_on_weights():
-            super()._save_to_state_dict(destination, prefix, keep_vars)
+    def _state_partition(self) -> MPIPartition:
+        return self.P_w  # the parameters live on P_w
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.use_bias and not self.holds_bias:
             state_dict.pop(prefix + "bias", None)  # only column 0 of P_w holds a bias block
-        with self._state_on_weights():
-            super()._load_from_state_dict(state_dict, prefix, *args)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def _check_block(self, name: str, x: torch.Tensor) -> None:
         """Check this worker's block of ``x`` (a worker of ``P_x``; no communication)."""

@@ -22,7 +22,6 @@ drawn from a generator seeded the same on every worker (:func:`shared_seed`, :fu
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 
@@ -135,24 +134,13 @@ class DistributedLinear(CollectStateMixin, torch.nn.Module):
         return {"weight": StateLayout((self.out_features, self.in_features), (0, 1)),
                 "bias": StateLayout((self.out_features,), (0,))}
 
-    @contextlib.contextmanager
-    def _state_on_weights(self):
-        # CollectStateMixin gathers over ``self.P_x``; this layer's parameters live on P_w.
-        P_x, self.P_x = self.P_x, self.P_w
-        try:
-            yield
-        finally:
-            self.P_x = P_x
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        with self._state_on_weights():
-            super()._save_to_state_dict(destination, prefix, keep_vars)
+    def _state_partition(self) -> MPIPartition:
+        return self.P_w  # the parameters live on P_w
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         if self.use_bias and not self.holds_bias:
             state_dict.pop(prefix + "bias", None)  # only column 0 of P_w holds a bias block
-        with self._state_on_weights():
-            super()._load_from_state_dict(state_dict, prefix, *args)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of ``y`` (zero-volume outside ``P_y``)."""

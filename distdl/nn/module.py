@@ -76,6 +76,10 @@ class CollectStateMixin:
     P_x: MPIPartition
     collect_state: bool
 
+    def _state_partition(self) -> MPIPartition:
+        """Return the partition the parameters live on (rank 0 of it holds the collected state)."""
+        return self.P_x
+
     def _state_layouts(self) -> dict[str, StateLayout]:
         """Return the layout of every split tensor by name; the others are replicated."""
         return {}
@@ -90,7 +94,7 @@ class CollectStateMixin:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not self.collect_state:
             return
-        P, tensors = self.P_x, self._state_tensors()
+        P, tensors = self._state_partition(), self._state_tensors()
         split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
         pieces = None
         if P.active and split:
@@ -113,7 +117,7 @@ class CollectStateMixin:
 
     def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str]) -> None:
         """Replace this layer's entries of ``state_dict`` by this worker's blocks of rank 0's values."""
-        P, tensors = self.P_x, self._state_tensors()
+        P, tensors = self._state_partition(), self._state_tensors()
         if not P.active:
             for name, (t, _) in tensors.items():
                 state_dict[prefix + name] = t.detach()

@@ -7,6 +7,7 @@ without it rank 0 would wait in its receive forever. ``--no-raise``: every rank 
 
 import sys
 import threading
+import time
 
 from mpi4py import MPI
 
@@ -24,6 +25,7 @@ if comm.rank == 1 and "--no-raise" not in sys.argv:
         thread = threading.Thread(target=fail, name="worker")
         thread.start()
         thread.join()
+        time.sleep(60)  # the abort from the worker thread ends the job long before this
     else:
         fail()
 if comm.rank == 1:
