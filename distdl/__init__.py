@@ -14,7 +14,10 @@ from distdl.backends import info
 from distdl.checks import CollectiveMismatchError, check_mode, checking, set_check_mode
 from distdl.partition import MPIPartition
 
-__all__ = ["MPIPartition", "CollectiveMismatchError", "check_mode", "checking", "info", "set_check_mode", "__version__"]
+from distdl import functional, nn, utilities  # noqa: E402  (they use MPIPartition)
+
+__all__ = ["MPIPartition", "CollectiveMismatchError", "check_mode", "checking", "functional", "info", "nn",
+           "set_check_mode", "utilities", "__version__"]
 
 __version__ = "0.1.0"
 
