@@ -5,8 +5,8 @@ VENV ?= .venv
 # Pinned: an unpinned torch pulls a multi-GB CUDA build. Override, e.g. TORCH_SPEC="torch==2.13.0+cu128".
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
-# `make install EXTRAS=test MPIEXEC=mpiexec` uses a system MPI instead of the mpich wheel (see README).
-EXTRAS ?= mpich,test
+# `make install EXTRAS=test,examples MPIEXEC=mpiexec` uses a system MPI instead of the mpich wheel (see README).
+EXTRAS ?= mpich,test,examples
 MPIEXEC ?= $(VENV)/bin/mpiexec
 PY := $(VENV)/bin/python
 RANKS ?= 1 2 3 4
@@ -38,11 +38,18 @@ test-mpi: install
 		$(MPIEXEC) -n $$n $(PY) -m mpi4py -m pytest $(PYTEST_ARGS) --with-mpi -m mpi tests || exit 1; \
 	done
 
+# The end-to-end example: a partitioned CNN on scikit-learn's digits, next to the sequential model.
 demo: install
-	$(MPIEXEC) -n 4 $(PY) examples/partitions.py
+	$(MPIEXEC) -n 4 $(PY) -m mpi4py examples/train_digits.py
 
-docs:
-	@echo "docs: the Sphinx site arrives with the documentation issue; for now see README.md and docs/index.md"
+# The Sphinx site in docs/_build/html: figures drawn by docs/make_figures.py, warnings are errors.
+docs: $(VENV)/.docs-installed
+	$(PY) docs/make_figures.py
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[$(EXTRAS),docs]"
+	touch $@
 
 bench:
 	@echo "bench: the benchmark suite arrives with the performance issue; see benchmarks/README.md"
