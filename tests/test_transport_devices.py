@@ -106,3 +106,40 @@ def test_info_reports_the_transport():
     assert report["world_size"] == MPI.COMM_WORLD.size
     if not torch.cuda.is_available():
         assert report["cuda_transport"].startswith("CPU only") and report["devices"] == []
+
+
+def layers(P_world, n):
+    from distdl.nn import DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearReduceScatter
+    P_x = P_world.create_cartesian_topology_partition([1, 1, n])
+    P_f = P_world.create_cartesian_topology_partition([1, n])
+    return [
+        (lambda: DistributedFeatureConv1d(P_x, 2, 3, kernel_size=3, padding=1), P_x, (4, 2, 9)),
+        (lambda: DistributedBatchNorm(P_x, 2), P_x, (4, 2, 9)),
+        (lambda: DistributedLinearReduceScatter(P_f, 5, 4), P_f, (3, 5)),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@sizes(1, 2, 3)
+def test_layers_on_device(P_world, comm, device):
+    """Each layer on the device gives the values and gradients it gives on the CPU."""
+    for build, P_x, shape in layers(P_world, comm.size):
+        torch.manual_seed(0)
+        on_device = build().double().to(device)
+        torch.manual_seed(0)
+        on_cpu = build().double()
+        x = scatter(random_tensor(shape, seed=3), P_x)
+        staged = cuda.stage_cpu_for_tests
+        results = []
+        for layer, dev in ((on_device, device), (on_cpu, torch.device("cpu"))):
+            cuda.stage_cpu_for_tests = staged and layer is on_device
+            x_local = x.to(dev).requires_grad_()
+            y = layer(x_local)
+            y.backward(random_tensor(y.shape, seed=10 + comm.rank).to(dev))
+            results.append((y.detach().cpu(), x_local.grad.cpu(), [p.grad.cpu() for p in layer.parameters()]))
+        cuda.stage_cpu_for_tests = staged
+        (y_d, gx_d, gp_d), (y_c, gx_c, gp_c) = results
+        torch.testing.assert_close(y_d, y_c)
+        torch.testing.assert_close(gx_d, gx_c)
+        for a, b in zip(gp_d, gp_c):
+            torch.testing.assert_close(a, b)

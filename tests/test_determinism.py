@@ -1,0 +1,34 @@
+"""The same computation at the same rank count gives bitwise-identical results, run after run."""
+
+import torch
+
+from distdl.nn import DistributedBatchNorm, DistributedFeatureConv1d, DistributedMSELoss
+from distdl.testing import random_tensor, scatter
+from helpers import sizes
+
+
+def _train(P_x, steps=3):
+    torch.manual_seed(5)
+    conv = DistributedFeatureConv1d(P_x, 2, 3, kernel_size=3, padding=1).double()
+    norm = DistributedBatchNorm(P_x, 3).double()
+    loss_fn = DistributedMSELoss(P_x)
+    optimizer = torch.optim.SGD(list(conv.parameters()) + list(norm.parameters()), lr=0.1)
+    x = scatter(random_tensor((4, 2, 11), seed=1), P_x)
+    target = scatter(random_tensor((4, 3, 11), seed=2), P_x)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(norm(conv(x)), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), [p.detach().clone() for p in conv.parameters()]
+
+
+@sizes(1, 3, 4)
+def test_bitwise_identical_runs(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition([1, 1, comm.size])
+    first_losses, first_params = _train(P_x)
+    second_losses, second_params = _train(P_x)
+    assert torch.equal(first_losses, second_losses)
+    assert all(torch.equal(a, b) for a, b in zip(first_params, second_params))
