@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 from mpi4py import MPI
@@ -72,6 +73,9 @@ def _thread_hook(args: threading.ExceptHookArgs) -> None:
             _abort(f"an uncaught {args.exc_type.__name__} in thread {name}")
 
 
+_FORWARD_SECONDS = 1.0
+
+
 def _abort(what: str) -> None:
     """Flush the output and abort the MPI job when other ranks would otherwise wait forever."""
     for stream in (sys.stdout, sys.stderr):
@@ -90,4 +94,5 @@ def _abort(what: str) -> None:
         sys.stderr.flush()
     except Exception:
         pass
+    time.sleep(_FORWARD_SECONDS)  # let the launcher forward the traceback before it tears the job down
     world.Abort(1)
