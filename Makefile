@@ -51,8 +51,28 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[$(EXTRAS),docs]"
 	touch $@
 
-bench:
-	@echo "bench: the benchmark suite arrives with the performance issue; see benchmarks/README.md"
+# Benchmarks (see benchmarks/README.md): primitives against raw mpi4py and gloo at 2 and 4 ranks, the
+# allocator settings, the MPI thread level, and a CNN training step; reports in benchmarks/results/.
+# The recommended run-time settings: MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE locks every call),
+# and a glibc heap that keeps freed memory (no mmap, no trimming), so large outputs are not page-faulted anew each call.
+BENCH_MPI := MPI4PY_RC_THREAD_LEVEL=serialized
+BENCH_MALLOC := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184
+BENCH_RUN = $(MPIEXEC) -n $(1) env $(2) $(PY) benchmarks/$(3)
+bench: install
+	@$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q matplotlib
+	rm -f benchmarks/results/*.json
+	$(call BENCH_RUN,2,$(BENCH_MPI) $(BENCH_MALLOC),bench_primitives.py)
+	@echo "== 4 ranks on $$(getconf _NPROCESSORS_ONLN) cores: oversubscribed when there are fewer than 4 =="
+	$(call BENCH_RUN,4,$(BENCH_MPI) $(BENCH_MALLOC),bench_primitives.py --sizes 8 4096 262144 --budget 1.5)
+	for run in 1 2; do for level in multiple serialized; do \
+		$(MPIEXEC) -n 2 env MPI4PY_RC_THREAD_LEVEL=$$level $(BENCH_MALLOC) $(PY) benchmarks/bench_primitives.py \
+			--sizes 8 --primitives all_sum_reduce broadcast --output benchmarks/results/threads-$$run-$$level.json \
+			|| exit 1; done; done
+	$(call BENCH_RUN,2,$(BENCH_MPI),bench_memory.py --label default)
+	$(call BENCH_RUN,2,$(BENCH_MPI) $(BENCH_MALLOC),bench_memory.py --label retained)
+	$(call BENCH_RUN,2,$(BENCH_MPI) THP_MEM_ALLOC_ENABLE=1,bench_memory.py --label thp)
+	$(call BENCH_RUN,2,$(BENCH_MPI) $(BENCH_MALLOC),bench_layers.py)
+	$(PY) benchmarks/bench_primitives.py --report
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
