@@ -194,7 +194,8 @@ def main() -> None:
               "the resident memory just before. Rank 1 holds nothing in the torch variant.", "",
               "Forward of each layer on rank 0's block (interleaved, median of rounds), against the torch layer on a "
               "block of the same shape, which is what a partitioning without overhead would cost:", "",
-              "| layer | input block | distdl (ms) | torch on the block (ms) | ratio |", "| --- | --- | ---: | ---: | ---: |"]
+              "| layer | input block | distdl (ms) | torch on the block (ms) | ratio |",
+              "| --- | --- | ---: | ---: | ---: |"]
     lines += layer_rows
     lines += ["", f"Machine: {m['cores']} cores, load average {m['load']} at the end (shared with other users); thread "
               f"level {m['thread level']}; allocator: {m['allocator']}."]

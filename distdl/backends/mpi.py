@@ -34,7 +34,7 @@ def buffer(t: torch.Tensor, summed: bool = False) -> list:
     """
     if t.is_cuda:
         cuda.prepare(t)
-    nbytes = t.numel() * t.element_size()
+    nbytes = t.nbytes
     memory = MPI.buffer.fromaddress(t.data_ptr(), nbytes)
     if summed:
         return [memory, t.numel(), _SUM_TYPES[t.dtype]]
@@ -51,7 +51,9 @@ def reduction_dtype(where: str, dtype: torch.dtype) -> torch.dtype:
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Return ``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one)."""
-    return t.to(dtype=dtype or t.dtype).contiguous()
+    if dtype is not None and dtype != t.dtype:  # a no-op ``t.to(dtype)`` still costs ~1 us
+        t = t.to(dtype)
+    return t.contiguous()
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

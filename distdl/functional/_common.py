@@ -111,3 +111,30 @@ def check_flags(where: str, **flags: object) -> tuple[bool, ...]:
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{where}: expected a bool for {name}, got {value!r}")
     return tuple(bool(value) for value in flags.values())
+
+
+# Validation results that depend only on the arguments, remembered: at 8 B a primitive's cost is
+# mostly Python (measured in benchmarks/bench_primitives.py).
+_headers: dict = {}
+
+
+def resolve_axes_cached(where: str, P: MPIPartition, axes: Iterable[int] | None, axes_keep: Iterable[int] | None,
+                        what: str) -> tuple[int, ...]:
+    """Return :func:`resolve_axes`, remembered per partition for tuples or lists of plain ints (~4 us a call)."""
+    plain = [v if v is None else tuple(v) for v in (axes, axes_keep)
+             if v is None or (type(v) in (tuple, list) and all(type(a) is int for a in v))]
+    if len(plain) < 2:
+        return resolve_axes(where, P, axes, axes_keep, what)
+    return P._memo(("axes", what, *plain), lambda: resolve_axes(where, P, axes, axes_keep, what))
+
+
+def header_of(where: str, x: torch.Tensor):
+    """Return :func:`encode_header` of ``x``, one read-only array shared by calls of the same dtype and shape."""
+    key = (x.dtype, tuple(x.shape))
+    header = _headers.get(key)
+    if header is None:
+        header = encode_header(where, x)
+        header.flags.writeable = False
+        if len(_headers) < 4096:
+            _headers[key] = header
+    return header

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph, resolve_axes
+from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph, resolve_axes_cached
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 
@@ -46,8 +46,11 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
     axes = validate("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
     if not P_x.active:
         return x.clone()
-    verify("all_sum_reduce", fibre(P_x, axes), x)
-    return _AllSumReduce.apply(in_graph(x), P_x, axes, fibre(P_x, axes))
+    P_fibre = fibre(P_x, axes)
+    verify("all_sum_reduce", P_fibre, x)
+    if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
+        return _sum(x, P_fibre)
+    return _AllSumReduce.apply(in_graph(x), P_x, axes, P_fibre)
 
 
 def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None,
@@ -55,7 +58,7 @@ def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterab
     """Check the arguments of a fibre sum; return the partition axes summed along."""
     check_tensor(where, x)
     check_partition(where, "P_x", P_x)
-    axes = resolve_axes(where, P_x, axes_reduce, axes_keep, "axes_reduce")
+    axes = resolve_axes_cached(where, P_x, axes_reduce, axes_keep, "axes_reduce")
     transport.reduction_dtype(where, x.dtype)
     check_idle_input(where, P_x, x)
     return axes
@@ -66,17 +69,23 @@ def fibre(P_x: MPIPartition, axes: tuple[int, ...]) -> MPIPartition:
     return P_x._memo(("fibre", axes), lambda: P_x.create_allreduction_partition(axes))
 
 
+def _sum(x: torch.Tensor, P_fibre: MPIPartition) -> torch.Tensor:
+    """Return the sum of ``x`` over ``P_fibre``: one Allreduce straight from and into tensor memory."""
+    comm = P_fibre.comm
+    if comm.size == 1:
+        return x.clone()
+    x_sum = transport.contiguous(x, transport.reduction_dtype("all_sum_reduce", x.dtype))
+    y = torch.empty_like(x_sum)
+    comm.Allreduce(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True), op=MPI.SUM)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 class _AllSumReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, P_x, axes, P_fibre):
         ctx.P_x, ctx.axes = P_x, axes
-        if P_fibre.size == 1:
-            return x.clone()
-        x_sum = transport.contiguous(x, transport.reduction_dtype("all_sum_reduce", x.dtype))
-        y = torch.empty_like(x_sum)
-        P_fibre.comm.Allreduce(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True), op=MPI.SUM)
-        return y.to(x.dtype)
+        return _sum(x, P_fibre)
 
     @staticmethod
     def backward(ctx, grad_y):

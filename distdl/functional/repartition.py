@@ -14,7 +14,8 @@ in neither         passes and gets a zero-volume tensor, without communicating
 
 Each call, the workers of both partitions allgather a header (dtype, shape) of every x block, so
 receive-only workers learn the global shape and a call with a new shape works everywhere; the
-overlaps then move as non-blocking messages over the union of the partitions, one per pair.
+overlaps then move as non-blocking messages over the union of the partitions, one per pair. In
+unions of up to 8 workers, blocks of up to 1 KiB travel with the headers (one collective).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       decode_header, empty_header, encode_header, grad_like, in_graph,
-                                       zero_volume_like)
+                                       decode_header, grad_like, header_of, in_graph, zero_volume_like)
+from distdl.functional._messages import (carries_payload, empty_message, encode_message, message_length, payloads)
 from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index, compute_subshape
@@ -62,7 +63,7 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
     check_dim(where, P_x, x)
     check_idle_input(where, P_x, x)
     if P_x.active:
-        encode_header(where, x)  # rejects dtypes that cannot be described to receivers
+        header_of(where, x)  # rejects dtypes that cannot be described to receivers
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     return _Repartition.apply(in_graph(x), P_x, P_y, bool(preserve_batch))
@@ -108,10 +109,11 @@ class _Repartition(torch.autograd.Function):
 
 
 def _move(x, P_x, P_y, P_union, preserve_batch):
-    header = encode_header("repartition", x) if P_x.active else empty_header()
-    headers = np.empty((P_union.size, HEADER_LENGTH), dtype=np.int64)
-    P_union.comm.Allgather(header, headers)
-    headers = headers[_union_ranks(P_union, P_x)]  # P_x's blocks, in P_x rank order
+    # Header round; in unions of up to INLINE_GROUP workers, blocks of up to INLINE_BYTES ride along.
+    length = message_length(P_union.comm.size)
+    messages = np.empty((P_union.comm.size, length), dtype=np.int64)
+    P_union.comm.Allgather((encode_message("repartition", x) if P_x.active else empty_message())[:length], messages)
+    headers = messages[_union_ranks(P_union, P_x), :HEADER_LENGTH]  # P_x's blocks, in P_x rank order
     # Plans are cached by the blocks' headers (the union serves both P_x -> P_y and P_y -> P_x).
     plans, key = P_union._memo("plans", dict), (P_x.root_ranks, P_x.shape, headers.tobytes())
     if key not in plans:
@@ -122,13 +124,16 @@ def _move(x, P_x, P_y, P_union, preserve_batch):
     dtype, y_shape, sends, recvs, copies = plans[key]
     y = zero_volume_like(x, preserve_batch) if y_shape is None else transport.empty(y_shape, dtype, x.device)
     requests, buffers, staged = [], [], []
-    for peer, slices in recvs:  # straight into y where the overlap is contiguous there
+    for peer, slices, shape, their_slices in recvs:  # straight into y where the overlap is contiguous there
+        if carries_payload(messages, dtype, shape):  # that block came with the headers
+            y[slices] = payloads(messages[peer:peer + 1], dtype, shape)[0][their_slices]
+            continue
         view = y[slices]
         buffers.append(view if view.is_contiguous() else transport.empty(view.shape, dtype, x.device))
         if buffers[-1] is not view:
             staged.append((view, buffers[-1]))
         requests.append(P_union.comm.Irecv(transport.buffer(buffers[-1]), source=peer, tag=_TAG))
-    for peer, slices in sends:  # straight from x where the overlap is contiguous there
+    for peer, slices in sends if not carries_payload(messages, dtype, x.shape) else ():
         buffers.append(transport.contiguous(x[slices]))
         requests.append(P_union.comm.Isend(transport.buffer(buffers[-1]), dest=peer, tag=_TAG))
     for x_slices, y_slices in copies:
@@ -179,10 +184,11 @@ def _plan(P_x, P_y, P_union, shape):
                 sends.append((peer, x_slices))
     if P_y.active:
         ranks_x = _union_ranks(P_union, P_x)
-        for i, y_slices, _ in _overlaps(shape, P_y.shape, P_y.index, P_x.shape):
+        for i, y_slices, x_slices in _overlaps(shape, P_y.shape, P_y.index, P_x.shape):
             peer = int(ranks_x[np.ravel_multi_index(i, P_x.shape)])
             if peer != P_union.rank:
-                recvs.append((peer, y_slices))
+                their_shape = tuple(compute_subshape(P_x.shape, i, shape).tolist())
+                recvs.append((peer, y_slices, their_shape, x_slices))
     y_shape = tuple(compute_subshape(P_y.shape, P_y.index, shape).tolist()) if P_y.active else None
     return y_shape, sends, recvs, copies
 

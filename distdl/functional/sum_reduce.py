@@ -14,9 +14,10 @@ in P_x and P_y              sends ``x`` into its sum and receives its own group'
 in neither                  passes and gets a zero-volume tensor
 ==========================  ===========================================================
 
-Each group first all-reduces a small header (the max of the header and of its negation), so the
-receiver learns dtype and shape each call, and when sources disagree every member of the group
-raises instead of posting mismatched reductions. Workers in two groups post both non-blocking.
+Each group first allgathers a small header, so the receiver learns dtype and shape each call, and
+when sources disagree every member of the group raises instead of posting mismatched reductions.
+In groups of up to 8 workers, blocks of up to 1 KiB travel with the headers and the receiver sums
+them (one collective). Workers in two groups post both non-blocking.
 float16/bfloat16 are summed in float32; bool cannot be summed.
 """
 
@@ -28,9 +29,11 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (check_flags, check_idle_input, check_tensor, decode_header, encode_header,
-                                       grad_like, in_graph, zero_volume_like)
-from distdl.functional.broadcast import broadcast, broadcast_plan, check_broadcastable
+from distdl.functional._common import (HEADER_LENGTH, check_flags, check_idle_input, check_tensor, grad_like,
+                                       header_of, in_graph, zero_volume_like)
+from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
+                                         sum_payloads)
+from distdl.functional.broadcast import blocking_allowed, broadcast, broadcast_plan, check_broadcastable
 from distdl.functional.repartition import union
 from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
@@ -64,7 +67,7 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
     transpose_src, transpose_dest, preserve_batch = check_flags(
         where, transpose_src=transpose_src, transpose_dest=transpose_dest, preserve_batch=preserve_batch)
     check_broadcastable(where, P_y, P_x, transpose_dest, transpose_src, names=("P_y", "P_x"))
-    header = encode_header(where, x)
+    header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
     transport.reduction_dtype(where, x.dtype)
     check_idle_input(where, P_x, x)
     P_send, P_recv = reduction_plan(P_x, P_y, transpose_src, transpose_dest)
@@ -73,7 +76,10 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
     if not (P_send.active or P_recv.active):
         return x.clone()
     flags = (transpose_src, transpose_dest, preserve_batch)
-    return _SumReduce.apply(in_graph(x), P_x, P_y, flags, header, P_send, P_recv)
+    blocking = blocking_allowed(P_y, P_x, transpose_dest, transpose_src)  # the broadcast plan's groups
+    if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
+        return _sum_reduce(x, preserve_batch, P_send, P_recv, blocking)
+    return _SumReduce.apply(in_graph(x), P_x, P_y, flags, blocking, P_send, P_recv)
 
 
 def reduction_plan(P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool,
@@ -83,53 +89,74 @@ def reduction_plan(P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool,
     return P_send, P_recv
 
 
-def _check_agreement(P: MPIPartition, both: np.ndarray) -> None:
-    half = both.size // 2
-    if not np.array_equal(both[:half], -both[half:]):
+_NO_SOURCE = empty_message()[:HEADER_LENGTH].tobytes()
+
+
+def _agreed(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tuple[int, ...], list[int]]:
+    """Return the dtype and shape of a group's blocks and its sources' ranks; ValueError unless all agree."""
+    headers = [row[:HEADER_LENGTH].tobytes() for row in messages]
+    sources = [r for r, header in enumerate(headers) if header != _NO_SOURCE]  # not a receiver that is no source
+    if any(headers[r] != headers[sources[0]] for r in sources):
         raise ValueError(f"sum_reduce: expected the blocks summed onto one worker to agree in dtype and shape, "
                          f"got blocks that differ among root ranks {list(P.root_ranks)}")
+    return (*decode(messages[sources[0]]), sources)
+
+
+def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking):
+    sources_itself = P_recv.active and P_recv is P_send
+    if sources_itself and P_recv.comm.size == 1:
+        return x.clone()
+    # Header round: in each of its groups this worker allgathers every member's header, so every
+    # member raises alike when sources disagree and the receiver learns what arrives. In groups of
+    # up to INLINE_GROUP workers, blocks of up to INLINE_BYTES ride along and the receiver sums them.
+    groups = []  # (partition, whether this worker is its receiver, this worker's message)
+    if P_send.active and not sources_itself:
+        groups.append((P_send, False, encode_message("sum_reduce", x)))
+    if P_recv.active:
+        groups.append((P_recv, True, encode_message("sum_reduce", x) if sources_itself else empty_message()))
+    gathered, requests = [], []
+    for P, _, mine in groups:
+        length = message_length(P.comm.size)
+        gathered.append(np.empty((P.comm.size, length), dtype=np.int64))
+        if blocking:  # this worker is in one group only (see broadcast.blocking_allowed)
+            P.comm.Allgather(mine[:length], gathered[-1])
+        else:
+            requests.append(P.comm.Iallgather(mine[:length], gathered[-1]))
+    MPI.Request.Waitall(requests)
+    structures = [_agreed(P, messages) for (P, _, _), messages in zip(groups, gathered)]
+    # Data round for the rest, in the accumulation dtype, straight from and into tensor memory.
+    y, y_dtype, requests, keep = None, None, [], []
+    for (P, receiver, _), messages, (dtype, shape, sources) in zip(groups, gathered, structures):
+        y_dtype = dtype if receiver else y_dtype
+        accumulate = transport.reduction_dtype("sum_reduce", dtype)
+        if carries_payload(messages, dtype, shape):
+            if receiver:  # sum the blocks here
+                y = sum_payloads(messages, sources, dtype, shape, accumulate).to(x.device)
+            continue
+        contribution = MPI.IN_PLACE
+        if not receiver or sources_itself:
+            keep.append(transport.contiguous(x, accumulate))  # referenced until the wait
+            contribution = transport.buffer(keep[-1], summed=True)
+        if receiver:  # a receiver that is no source of its group adds zeros
+            y = transport.empty(shape, accumulate, x.device) if sources_itself else torch.zeros(
+                shape, dtype=accumulate, device=x.device)
+        target = transport.buffer(y, summed=True) if receiver else None
+        if blocking:
+            P.comm.Reduce(contribution, target, op=MPI.SUM, root=0)
+        else:
+            requests.append(P.comm.Ireduce(contribution, target, op=MPI.SUM, root=0))
+    MPI.Request.Waitall(requests)
+    if y is None:
+        return zero_volume_like(x, preserve_batch)
+    return y if y.dtype == y_dtype else y.to(y_dtype)
 
 
 class _SumReduce(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, P_y, flags, header, P_send, P_recv):
+    def forward(ctx, x, P_x, P_y, flags, blocking, P_send, P_recv):
         ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape = P_x, P_y, flags, x.shape
-        sources_itself = P_recv.active and P_recv is P_send
-        if sources_itself and P_recv.size == 1:
-            return x.clone()
-        sending = P_send.active and not sources_itself
-        receiving = P_recv.active
-        # Header round: max of (header, -header) over each group gives its max and min.
-        nothing = np.full(2 * header.size, np.iinfo(np.int64).min, dtype=np.int64)
-        mine = np.concatenate([header, -header])
-        sent, received = np.empty_like(mine), np.empty_like(mine)
-        requests = [P_send.comm.Iallreduce(mine, sent, op=MPI.MAX)] if sending else []
-        if receiving:
-            requests.append(P_recv.comm.Iallreduce(mine if sources_itself else nothing, received, op=MPI.MAX))
-        MPI.Request.Waitall(requests)
-        if sending:
-            _check_agreement(P_send, sent)
-        if receiving:
-            _check_agreement(P_recv, received)
-        # Data round, in the accumulation dtype, straight from and into tensor memory.
-        requests = []
-        if P_send.active:
-            x_sum = transport.contiguous(x, transport.reduction_dtype("sum_reduce", x.dtype))
-        if sending:
-            requests.append(P_send.comm.Ireduce(transport.buffer(x_sum, summed=True), None, op=MPI.SUM, root=0))
-        if receiving:
-            dtype, shape = decode_header(received[:header.size])
-            accumulate = transport.reduction_dtype("sum_reduce", dtype)
-            if sources_itself:
-                y, contribution = transport.empty(shape, accumulate, x.device), transport.buffer(x_sum, summed=True)
-            else:  # a receiver that is no source of its group adds zeros
-                y, contribution = torch.zeros(shape, dtype=accumulate, device=x.device), MPI.IN_PLACE
-            requests.append(P_recv.comm.Ireduce(contribution, transport.buffer(y, summed=True), op=MPI.SUM, root=0))
-        MPI.Request.Waitall(requests)
-        if receiving:
-            return y.to(dtype)
-        return zero_volume_like(x, flags[2])
+        return _sum_reduce(x, flags[2], P_send, P_recv, blocking)
 
     @staticmethod
     def backward(ctx, grad_y):

@@ -1,0 +1,113 @@
+"""The small-message fast paths of the primitives: payloads inside the header round, blocking calls.
+
+Every primitive is run on both sides of the inline limit (``INLINE_BYTES``), with the header-only
+round forced (``INLINE_GROUP = 1``), in plans where a worker is in two groups (non-blocking), and
+for the dtypes whose bytes travel inline; results are compared exactly with local references.
+"""
+
+import pytest
+import torch
+
+import distdl.functional._messages as messages
+from distdl.functional.all_gather import all_gather
+from distdl.functional.all_sum_reduce import all_sum_reduce
+from distdl.functional.broadcast import blocking_allowed, broadcast
+from distdl.functional.reduce_scatter import reduce_scatter
+from distdl.functional.repartition import repartition
+from distdl.functional.sum_reduce import sum_reduce
+from distdl.testing import assert_adjoint, gather, scatter
+from helpers import sizes
+
+LIMIT = messages.INLINE_BYTES // 4  # float32 elements that still travel inline
+LENGTHS = (0, 1, LIMIT, LIMIT + 1, 3 * LIMIT)  # around the limit: inline, exactly full, one over
+
+
+def _data(n, seed, dtype=torch.float32):
+    """Exactly representable values (small integers), so sums in any order are exact."""
+    values = torch.arange(n, dtype=torch.float64) % 7 + seed
+    return values.to(dtype) if dtype != torch.bool else values.remainder(2).to(torch.bool)
+
+
+@pytest.fixture(params=["inline", "headers only"])
+def mode(request, monkeypatch):
+    if request.param == "headers only":
+        monkeypatch.setattr(messages, "INLINE_GROUP", 1)
+    return request.param
+
+
+@sizes(2, 3, 4)
+def test_broadcast_and_sum_reduce(P_world, comm, mode):
+    P_root = P_world.create_partition_inclusive([comm.size - 1])
+    for n in LENGTHS:
+        for dtype in (torch.float32, torch.float16, torch.int64, torch.bool, torch.complex64):
+            x = _data(n, 3, dtype) if P_root.active else torch.zeros(0, dtype=dtype)
+            y = broadcast(x, P_root, P_world, preserve_batch=False)
+            assert torch.equal(y, _data(n, 3, dtype)), (n, dtype, comm.rank)
+            if dtype == torch.bool:
+                continue
+            total = sum_reduce(_data(n, comm.rank, dtype), P_world, P_root, preserve_batch=False)
+            expected = sum(_data(n, r, torch.float64) for r in range(comm.size)).to(dtype)
+            assert torch.equal(total, expected) if P_root.active else total.numel() == 0, (n, dtype, comm.rank)
+    for n in (4, 2 * LIMIT):  # non-contiguous views, inline and not
+        x = _data(n, comm.size - 1, torch.float64)[::2]
+        y = broadcast(x if P_root.active else torch.zeros(0, dtype=x.dtype), P_root, P_world, preserve_batch=False)
+        assert torch.equal(y, x) and y.is_contiguous()
+
+
+@sizes(2, 3)
+def test_worker_in_two_groups(P_world, comm, mode):
+    """A cycle: every worker sends to its successor and receives from its predecessor (non-blocking)."""
+    ranks = [(r + 1) % comm.size for r in range(comm.size)]
+    P_y = P_world.create_partition_inclusive(ranks)
+    assert not blocking_allowed(P_world, P_y, False, False)
+    assert blocking_allowed(P_world.create_partition_inclusive([0]), P_world, False, False)
+    for n in (2, LIMIT + 5):
+        y = broadcast(_data(n, comm.rank), P_world, P_y, preserve_batch=False)
+        assert torch.equal(y, _data(n, ranks.index(comm.rank)))  # from the worker at my index of P_y
+        z = sum_reduce(_data(n, comm.rank), P_y, P_world, preserve_batch=False)
+        assert torch.equal(z, _data(n, ranks[comm.rank]))
+        assert_adjoint(lambda t: broadcast(t, P_world, P_y), _data(n, comm.rank, torch.float64), comm)
+
+
+@sizes(1, 2, 3, 4)
+def test_all_gather_and_reduce_scatter(P_world, comm, mode):
+    for n in LENGTHS + (comm.size * LIMIT + 1,):  # the last: some blocks inline, some not
+        X = _data(n, 1)
+        y = all_gather(scatter(X, P_world), P_world, [0])
+        assert torch.equal(y, X), (n, comm.rank)
+        for dtype in (torch.float32, torch.float16, torch.int32):
+            z = reduce_scatter(_data(n, comm.rank, dtype), P_world, [0])
+            expected = sum(_data(n, r, torch.float64) for r in range(comm.size)).to(dtype)
+            assert torch.equal(z, scatter(expected, P_world)), (n, dtype, comm.rank)
+    P_grid = P_world.create_cartesian_topology_partition((1, comm.size))  # a gathered last dimension: unpacked
+    X = _data(6 * 5, 2).reshape(6, 5)
+    assert torch.equal(all_gather(scatter(X, P_grid), P_grid, [1]), X)
+    assert torch.equal(reduce_scatter(X, P_grid, [1]), scatter(X * comm.size, P_grid))
+    assert_adjoint(lambda t: reduce_scatter(t, P_world, [0]), _data(5, comm.rank, torch.float64), comm)
+
+
+@sizes(1, 2, 3, 4)
+def test_all_sum_reduce_without_grad_mode(P_world, comm):
+    x = _data(4, comm.rank).requires_grad_()
+    with torch.no_grad():  # the direct path, without autograd.Function
+        y = all_sum_reduce(x, P_world, [0])
+    assert not y.requires_grad and torch.equal(y, sum(_data(4, r) for r in range(comm.size)))
+    y = all_sum_reduce(x, P_world, [0])
+    y.backward(torch.ones(4))
+    assert torch.equal(x.grad, torch.full((4,), float(comm.size)))
+
+
+@sizes(2, 3, 4)
+def test_repartition(P_world, comm, mode):
+    P_rows = P_world.create_cartesian_topology_partition((comm.size, 1))
+    P_cols = P_world.create_cartesian_topology_partition((1, comm.size))
+    P_one = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    for shape in ((1, 3), (comm.size, LIMIT // comm.size), (comm.size + 1, LIMIT)):
+        X = _data(shape[0] * shape[1], 4).reshape(shape)
+        y = repartition(scatter(X, P_rows), P_rows, P_cols)
+        assert torch.equal(y, scatter(X, P_cols)), (shape, comm.rank)
+        z = repartition(scatter(X, P_rows), P_rows, P_one)  # a gather onto one worker
+        assert torch.equal(z, X) if P_one.active else z.numel() == 0
+        assert torch.equal(gather(y, P_cols), X)
+    assert_adjoint(lambda t: repartition(t, P_rows, P_cols), scatter(_data(12, 1, torch.float64).reshape(3, 4),
+                                                                      P_rows), comm)
