@@ -15,7 +15,9 @@ outside P_x                   passes and gets a zero-volume tensor
 Partition axis ``k`` gathers tensor dimension ``k``. Block extents are exchanged every call (a
 small header per member), so a smaller last batch works; they must follow the balanced
 decomposition, which makes :func:`reduce_scatter` the exact adjoint. In fibres of up to 8
-workers, blocks of up to 1 KiB travel with the headers (one collective).
+workers, blocks of up to 1 KiB travel with the headers (one collective). As the adjoint of
+:func:`reduce_scatter` in a backward, the block shapes are known and no header round runs unless
+the blocks ride in it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +36,7 @@ from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
                                        header_of, in_graph, resolve_axes_cached)
 from distdl.functional._messages import (carries_payload, copy_payloads, decode, encode_message, message_length,
-                                         payloads)
+                                         payloads, rides_inline)
 from distdl.functional.all_sum_reduce import fibre
 from distdl.checks import verify
 from distdl.partition import MPIPartition
@@ -141,42 +144,79 @@ def _global_shape(where: str, fibre_shape: tuple[int, ...], root_ranks: tuple[in
     return tuple(global_shape)
 
 
+class Layout(NamedTuple):
+    """Where a fibre's balanced blocks lie in the global tensor, and how they travel (see :func:`layout`)."""
+    blocks: list[tuple[slice, ...]]  # in fibre rank order
+    shapes: list[tuple[int, ...]]
+    counts: list[int]  # elements per block
+    displacements: list[int]  # element offsets of the blocks laid one after another
+    in_rank_order: bool  # the blocks laid one after another are the global tensor's layout
+    equal: bool  # every block has as many elements (MPICH's Allgather and Reduce_scatter_block apply)
+
+
+@functools.lru_cache(maxsize=512)
+def layout(fibre_shape: tuple[int, ...], axes: tuple[int, ...], global_shape: tuple[int, ...]) -> Layout:
+    """Return the :class:`Layout` of ``global_shape`` over a fibre, computed once (Python is most of a call's
+    cost below a few MiB, and slower still right after a large transfer has evicted it from the caches)."""
+    blocks = block_slices(fibre_shape, axes, global_shape)
+    shapes = [tuple(len(range(*s.indices(n))) for s, n in zip(block, global_shape)) for block in blocks]
+    counts = [math.prod(shape) for shape in shapes]
+    displacements = [sum(counts[:r]) for r in range(len(counts))]
+    return Layout(blocks, shapes, counts, displacements, in_rank_order(fibre_shape, axes, global_shape),
+                  counts.count(counts[0]) == len(counts))  # shared between calls: read it, never change it
+
+
 def _gather(x, axes, P_fibre, global_shape, shapes, messages):
-    blocks = block_slices(P_fibre.shape, axes, global_shape)
+    """Return the gathered tensor; ``messages`` (or None: not exchanged) may carry every block inline."""
+    plan = layout(P_fibre.shape, axes, global_shape)
     y = transport.empty(global_shape, x.dtype, x.device)
-    if all(carries_payload(messages, x.dtype, shape) for shape in shapes):  # it all came with the headers
-        if not (in_rank_order(P_fibre.shape, axes, global_shape) and copy_payloads(messages, y)):
-            for r, (block, shape) in enumerate(zip(blocks, shapes)):
+    if messages is not None and all(carries_payload(messages, x.dtype, shape) for shape in shapes):
+        if not (plan.in_rank_order and copy_payloads(messages, y)):
+            for r, (block, shape) in enumerate(zip(plan.blocks, shapes)):
                 y[block] = payloads(messages[r:r + 1], x.dtype, shape)[0]
         return y
-    counts = [y[block].numel() for block in blocks]
-    direct = in_rank_order(P_fibre.shape, axes, global_shape)
-    flat = y if direct else transport.empty((sum(counts),), x.dtype, x.device)
+    flat = y if plan.in_rank_order else transport.empty((sum(plan.counts),), x.dtype, x.device)
     size = x.element_size()
-    displacements = np.concatenate(([0], np.cumsum(counts)[:-1])) * size
     send = transport.contiguous(x)  # keep a reference: the buffer spec does not keep the tensor alive
     memory = transport.buffer(flat)[0]
-    if counts.count(counts[0]) == len(counts):  # equal blocks: MPICH's Allgather is ~1.5x its Allgatherv
-        P_fibre.comm.Allgather(transport.buffer(send), [memory, counts[0] * size, MPI.BYTE])
+    if plan.equal:  # equal blocks: MPICH's Allgather is ~1.5x its Allgatherv
+        P_fibre.comm.Allgather(transport.buffer(send), [memory, plan.counts[0] * size, MPI.BYTE])
     else:
-        P_fibre.comm.Allgatherv(transport.buffer(send),
-                                [memory, [n * size for n in counts], displacements.tolist(), MPI.BYTE])
-    if not direct:  # unpack: copy each member's block to its place
-        offset = 0
-        for block, n in zip(blocks, counts):
-            y[block] = flat[offset:offset + n].view(y[block].shape)
-            offset += n
+        P_fibre.comm.Allgatherv(transport.buffer(send), [memory, [n * size for n in plan.counts],
+                                                         [d * size for d in plan.displacements], MPI.BYTE])
+    if not plan.in_rank_order:  # unpack: copy each member's block to its place
+        for block, shape, n, d in zip(plan.blocks, plan.shapes, plan.counts, plan.displacements):
+            y[block] = flat[d:d + n].view(shape)
     return y
+
+
+def gather_adjoint(grad: torch.Tensor, axes: tuple[int, ...], P_fibre: MPIPartition,
+                   global_shape: tuple[int, ...]) -> torch.Tensor:
+    """Return :func:`all_gather` of ``grad``, this member's block of ``global_shape``, in a backward.
+
+    Every member's block shape and dtype are already agreed (autograd gives each gradient its
+    output's shape and dtype), so the header round runs only to carry blocks small enough to ride in it.
+    """
+    verify("all_gather", P_fibre, grad, ("dim", "dtype", "device"))
+    shapes = layout(P_fibre.shape, axes, global_shape).shapes
+    messages = None
+    if all(rides_inline(grad.dtype, shape, P_fibre.comm.size) for shape in shapes):
+        messages = exchange_messages("all_gather", P_fibre, grad)[1]
+    return _gather(grad, axes, P_fibre, global_shape, shapes, messages)
 
 
 class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, P_x, axes, P_fibre, global_shape, exchanged):
-        ctx.P_x, ctx.axes = P_x, axes
+        ctx.P_x, ctx.axes, ctx.P_fibre = P_x, axes, P_fibre
         return _gather(x, axes, P_fibre, global_shape, *exchanged)
 
     @staticmethod
     def backward(ctx, grad_y):
-        from distdl.functional.reduce_scatter import reduce_scatter
-        return reduce_scatter(grad_y, ctx.P_x, axes_reduce_scatter=ctx.axes), None, None, None, None, None
+        from distdl.functional.reduce_scatter import reduce_scatter, scatter_adjoint
+        if torch.is_grad_enabled():  # double backward: record the adjoint too
+            grad_x = reduce_scatter(grad_y, ctx.P_x, axes_reduce_scatter=ctx.axes)
+        else:
+            grad_x = scatter_adjoint(grad_y, ctx.axes, ctx.P_fibre)
+        return grad_x, None, None, None, None, None

@@ -84,9 +84,13 @@ class _AllSumReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, P_x, axes, P_fibre):
-        ctx.P_x, ctx.axes = P_x, axes
+        ctx.P_x, ctx.axes, ctx.P_fibre = P_x, axes, P_fibre
         return _sum(x, P_fibre)
 
     @staticmethod
     def backward(ctx, grad_y):
-        return all_sum_reduce(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None
+        if torch.is_grad_enabled():  # double backward: record the adjoint too
+            return all_sum_reduce(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None
+        # The forward validated the arguments, and autograd gives grad_y y's shape and dtype.
+        verify("all_sum_reduce", ctx.P_fibre, grad_y)
+        return _sum(grad_y, ctx.P_fibre), None, None, None
