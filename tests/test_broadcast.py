@@ -1,5 +1,7 @@
 """Broadcast: forward against a local reference, adjoint tests, zero-volume, inactive workers, dtypes and errors."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -80,6 +82,34 @@ def test_adjoint(P_world, comm):
     assert_adjoint(lambda t: broadcast(t, P_x, P_y, ts, td, preserve_batch=False), x, comm)
 
 
+def plain_and_recorded_grads(op, x, comm):
+    """Return the gradient of ``op`` at ``x`` from a plain backward and from a recorded (create_graph) one."""
+    grads = []
+    for create_graph in (False, True):  # a plain backward skips header rounds the recorded adjoint runs
+        t = x.detach().clone().requires_grad_()
+        y = op(t)
+        dy = random_tensor(y.shape, seed=10 + comm.rank).to(y.dtype)
+        grads.append(torch.autograd.grad(y, t, dy, create_graph=create_graph)[0].detach())
+    return grads
+
+
+# Blocks that ride inline in the header round and blocks above its 1 KiB; float16/bfloat16 sum in float32.
+BACKWARD_BLOCKS = [((2, 3), torch.float64), ((3, 100), torch.float64), ((3, 300), torch.float16),
+                   ((2, 300), torch.bfloat16)]
+
+
+@sizes(1, 2, 3, 4)
+def test_plain_backward_matches_recorded_adjoint(P_world, comm):
+    for name, P_x, P_y, ts, td in cases(P_world):  # among them workers in two groups and feeding themselves
+        for (shape, dtype), preserve_batch in zip(BACKWARD_BLOCKS, (True, False, True, False)):
+            x = random_tensor(shape, seed=comm.rank).to(dtype) if P_x.active else torch.zeros(shape[0], 0, dtype=dtype)
+            op = lambda t: broadcast(t, P_x, P_y, ts, td, preserve_batch)  # noqa: E731
+            plain, recorded = plain_and_recorded_grads(op, x, comm)
+            assert plain.shape == x.shape and torch.equal(plain, recorded), (name, shape, dtype, comm.rank)
+        x = random_tensor((3, 100), seed=comm.rank) if P_x.active else torch.zeros(3, 0, dtype=torch.float64)
+        assert_adjoint(lambda t: broadcast(t, P_x, P_y, ts, td), x, comm, adjoint_of_adjoint=False)
+
+
 @sizes(3, 4)
 def test_inactive_workers_and_zero_volume(P_world, comm):
     P_x = P_world.create_partition_inclusive([0])
@@ -122,6 +152,7 @@ def test_dtypes_and_noncontiguous(P_world, comm):
 def test_backward_is_sum_and_plan_built_once(P_world, comm):
     P_x = P_world.create_partition_inclusive([0])
     layer = Broadcast(P_x, P_world)
+    gc.collect()  # earlier tests' partitions, freed now rather than while counting
     count = live_communicators()
     for batch in (3, 2):
         x = (torch.ones(batch, 2) if P_x.active else torch.zeros(batch, 0)).double().requires_grad_()

@@ -1,5 +1,7 @@
 """SumReduce: forward against a local reference, adjoint tests, zero-volume, inactive workers, dtypes and errors."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -10,8 +12,8 @@ from distdl.nn.sum_reduce import SumReduce
 from distdl.partition import live_communicators
 from distdl.testing import assert_adjoint, random_tensor
 from helpers import sizes
+from test_broadcast import BACKWARD_BLOCKS, plain_and_recorded_grads, source_index
 from test_broadcast import cases as broadcast_cases
-from test_broadcast import source_index
 
 
 def cases(P_world):
@@ -58,6 +60,18 @@ def test_adjoint(P_world, comm):
     assert_adjoint(lambda t: sum_reduce(t, P_x, P_y, ts, td, preserve_batch=False), x, comm)
 
 
+@sizes(1, 2, 3, 4)
+def test_plain_backward_matches_recorded_adjoint(P_world, comm):
+    for name, P_x, P_y, ts, td in cases(P_world):  # among them workers in two groups and receivers adding zeros
+        for (shape, dtype), preserve_batch in zip(BACKWARD_BLOCKS, (True, False, True, False)):
+            x = random_tensor(shape, seed=comm.rank).to(dtype) if P_x.active else torch.zeros(shape[0], 0, dtype=dtype)
+            op = lambda t: sum_reduce(t, P_x, P_y, ts, td, preserve_batch)  # noqa: E731
+            plain, recorded = plain_and_recorded_grads(op, x, comm)
+            assert plain.shape == x.shape and torch.equal(plain, recorded), (name, shape, dtype, comm.rank)
+        x = random_tensor((3, 100), seed=comm.rank) if P_x.active else torch.zeros(3, 0, dtype=torch.float64)
+        assert_adjoint(lambda t: sum_reduce(t, P_x, P_y, ts, td), x, comm, adjoint_of_adjoint=False)
+
+
 @sizes(3, 4)
 def test_inactive_workers_and_zero_volume(P_world, comm):
     P_x = P_world.create_partition_inclusive([0, 1])
@@ -102,6 +116,7 @@ def test_dtypes_and_noncontiguous(P_world, comm):
 def test_backward_is_broadcast_and_plan_shared(P_world, comm):
     P_y = P_world.create_partition_inclusive([comm.size - 1])
     layer = SumReduce(P_world, P_y)
+    gc.collect()  # earlier tests' partitions, freed now rather than while counting
     count = live_communicators()
     Broadcast(P_y, P_world)  # the adjoint layer uses the same communicators
     for batch in (3, 2):

@@ -16,8 +16,10 @@ in neither                  passes and gets a zero-volume tensor
 
 Receivers learn dtype and shape from a small header broadcast first, so the same layer works
 when the block shape changes between calls; blocks of up to 1 KiB travel inside the header, in
-one broadcast. A worker that sends in one group and receives in another posts both broadcasts
-non-blocking, so no order of groups can deadlock.
+one broadcast. As the adjoint of :func:`~distdl.functional.sum_reduce.sum_reduce` in a backward,
+receivers already know what arrives and the header round runs only where the block rides in it.
+A worker that sends in one group and receives in another posts both broadcasts non-blocking, so
+no order of groups can deadlock.
 """
 
 from __future__ import annotations
@@ -117,27 +119,32 @@ def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: boo
     return P_src._memo(key, lambda: P_src.create_broadcast_partition_to(P_dest, transpose_src, transpose_dest))
 
 
-def _broadcast(x, preserve_batch, P_send, P_recv, blocking):
+def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
+    """Return this worker's block; ``incoming`` is the dtype and shape it receives when known (in a
+    backward: then the header round runs only in groups whose block rides in it), None to learn them."""
     feeds_itself = P_recv.active and P_recv is P_send
     sending = P_send.active and P_send.comm.size > 1
     receiving = P_recv.active and not feeds_itself
-    # Header round: every receiver learns what arrives; up to INLINE_BYTES of data ride along.
-    outgoing = encode_message("broadcast", x) if sending else None
-    incoming = empty_message() if receiving else None
+    # Header round: every receiver learns what arrives; up to INLINE_BYTES of data ride along. Where
+    # the structure is known, every member of a group decides alike from the block's dtype and shape.
+    send_header = sending and (incoming is None or inline(x.dtype, x.shape))
+    recv_header = receiving and (incoming is None or inline(*incoming))
+    outgoing = encode_message("broadcast", x) if send_header else None
+    message = empty_message() if recv_header else None
     if blocking:  # this worker is in one group only (see blocking_allowed)
-        if sending:
+        if send_header:
             P_send.comm.Bcast(outgoing, root=0)
-        elif receiving:
-            P_recv.comm.Bcast(incoming, root=0)
-    else:
-        requests = [P_send.comm.Ibcast(outgoing, root=0)] if sending else []
-        if receiving:
-            requests.append(P_recv.comm.Ibcast(incoming, root=0))
+        elif recv_header:
+            P_recv.comm.Bcast(message, root=0)
+    elif send_header or recv_header:
+        requests = [P_send.comm.Ibcast(outgoing, root=0)] if send_header else []
+        if recv_header:
+            requests.append(P_recv.comm.Ibcast(message, root=0))
         MPI.Request.Waitall(requests)
     if receiving:
-        dtype, shape = decode(incoming)
+        dtype, shape = decode(message) if recv_header else incoming
         small = inline(dtype, shape)
-        y = inline_payload(incoming, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
+        y = inline_payload(message, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
     # Data round for larger blocks, straight from and into tensor memory. Non-blocking, so that a
     # worker that feeds itself copies x while the receivers read it (MPI's single-copy transfer).
     requests = []
@@ -156,13 +163,20 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, P_x, P_y, flags, blocking, P_send, P_recv):
-        ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape = P_x, P_y, flags, x.shape
+        ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape, ctx.x_dtype = P_x, P_y, flags, x.shape, x.dtype
+        ctx.plan = blocking, P_send, P_recv
         return _broadcast(x, flags[2], P_send, P_recv, blocking)
 
     @staticmethod
     def backward(ctx, grad_y):
-        from distdl.functional.sum_reduce import sum_reduce  # the adjoints refer to each other
+        from distdl.functional.sum_reduce import _sum_reduce, sum_reduce  # the adjoints refer to each other
         transpose_src, transpose_dest, preserve_batch = ctx.flags
-        grad_x = sum_reduce(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest, transpose_dest=transpose_src,
-                            preserve_batch=preserve_batch)
+        if torch.is_grad_enabled():  # double backward: record the adjoint too
+            grad_x = sum_reduce(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest,
+                                transpose_dest=transpose_src, preserve_batch=preserve_batch)
+        else:  # the forward validated the arguments; autograd gives grad_y y's shape and dtype
+            if check_mode():
+                verify("sum_reduce", union(ctx.P_y, ctx.P_x) or ctx.P_y, agree=())
+            blocking, P_send, P_recv = ctx.plan  # the reduction runs on the same groups, reversed
+            grad_x = _sum_reduce(grad_y, preserve_batch, P_recv, P_send, blocking, (ctx.x_dtype, ctx.x_shape))
         return grad_like(grad_x, ctx.x_shape), None, None, None, None, None, None

@@ -17,8 +17,10 @@ in neither                  passes and gets a zero-volume tensor
 Each group first allgathers a small header, so the receiver learns dtype and shape each call, and
 when sources disagree every member of the group raises instead of posting mismatched reductions.
 In groups of up to 8 workers, blocks of up to 1 KiB travel with the headers and the receiver sums
-them (one collective). Workers in two groups post both non-blocking.
-float16/bfloat16 are summed in float32; bool cannot be summed.
+them (one collective). As the adjoint of :func:`~distdl.functional.broadcast.broadcast` in a
+backward, the blocks already agree and the header round runs only where they ride in it.
+Workers in two groups post both non-blocking. float16/bfloat16 are summed in float32; bool cannot
+be summed.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_flags, check_idle_input, check_tensor, grad_like,
                                        header_of, in_graph, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
-                                         sum_payloads)
-from distdl.functional.broadcast import blocking_allowed, broadcast, broadcast_plan, check_broadcastable
+                                         rides_inline, sum_payloads)
+from distdl.functional.broadcast import _broadcast, blocking_allowed, broadcast, broadcast_plan, check_broadcastable
 from distdl.functional.repartition import union
 from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
@@ -102,20 +104,27 @@ def _agreed(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tuple[i
     return (*decode(messages[sources[0]]), sources)
 
 
-def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking):
+def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
+    """Return this worker's sum; ``summed`` is the dtype and shape of the blocks summed onto it when known
+    (in a backward: then the header round runs only in groups whose blocks ride in it), None to exchange them."""
     sources_itself = P_recv.active and P_recv is P_send
     if sources_itself and P_recv.comm.size == 1:
         return x.clone()
     # Header round: in each of its groups this worker allgathers every member's header, so every
     # member raises alike when sources disagree and the receiver learns what arrives. In groups of
     # up to INLINE_GROUP workers, blocks of up to INLINE_BYTES ride along and the receiver sums them.
-    groups = []  # (partition, whether this worker is its receiver, this worker's message)
+    # Where the blocks' dtype and shape are known, every member of a group decides alike from them.
+    groups = []  # (partition, whether this worker is its receiver, its blocks' dtype and shape where known)
     if P_send.active and not sources_itself:
-        groups.append((P_send, False, encode_message("sum_reduce", x)))
+        groups.append((P_send, False, None if summed is None else (x.dtype, x.shape)))
     if P_recv.active:
-        groups.append((P_recv, True, encode_message("sum_reduce", x) if sources_itself else empty_message()))
+        groups.append((P_recv, True, summed))
     gathered, requests = [], []
-    for P, _, mine in groups:
+    for P, receiver, known in groups:
+        if known is not None and not rides_inline(*known, P.comm.size):
+            gathered.append(None)  # nothing to learn and no data to carry
+            continue
+        mine = encode_message("sum_reduce", x) if not receiver or sources_itself else empty_message()
         length = message_length(P.comm.size)
         gathered.append(np.empty((P.comm.size, length), dtype=np.int64))
         if blocking:  # this worker is in one group only (see broadcast.blocking_allowed)
@@ -123,13 +132,14 @@ def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking):
         else:
             requests.append(P.comm.Iallgather(mine[:length], gathered[-1]))
     MPI.Request.Waitall(requests)
-    structures = [_agreed(P, messages) for (P, _, _), messages in zip(groups, gathered)]
+    structures = [(*known, None) if messages is None else _agreed(P, messages)
+                  for (P, _, known), messages in zip(groups, gathered)]
     # Data round for the rest, in the accumulation dtype, straight from and into tensor memory.
     y, y_dtype, requests, keep = None, None, [], []
     for (P, receiver, _), messages, (dtype, shape, sources) in zip(groups, gathered, structures):
         y_dtype = dtype if receiver else y_dtype
         accumulate = transport.reduction_dtype("sum_reduce", dtype)
-        if carries_payload(messages, dtype, shape):
+        if messages is not None and carries_payload(messages, dtype, shape):
             if receiver:  # sum the blocks here
                 y = sum_payloads(messages, sources, dtype, shape, accumulate).to(x.device)
             continue
@@ -155,12 +165,19 @@ class _SumReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, P_x, P_y, flags, blocking, P_send, P_recv):
-        ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape = P_x, P_y, flags, x.shape
+        ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape, ctx.x_dtype = P_x, P_y, flags, x.shape, x.dtype
+        ctx.plan = blocking, P_send, P_recv
         return _sum_reduce(x, flags[2], P_send, P_recv, blocking)
 
     @staticmethod
     def backward(ctx, grad_y):
         transpose_src, transpose_dest, preserve_batch = ctx.flags
-        grad_x = broadcast(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest, transpose_dest=transpose_src,
-                           preserve_batch=preserve_batch)
+        if torch.is_grad_enabled():  # double backward: record the adjoint too
+            grad_x = broadcast(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest, transpose_dest=transpose_src,
+                               preserve_batch=preserve_batch)
+        else:  # the forward validated the arguments and agreed on the blocks; grad_y has y's shape and dtype
+            if check_mode():
+                verify("broadcast", union(ctx.P_y, ctx.P_x) or ctx.P_y, agree=())
+            blocking, P_send, P_recv = ctx.plan  # the broadcast runs on the same groups, reversed
+            grad_x = _broadcast(grad_y, preserve_batch, P_recv, P_send, blocking, (ctx.x_dtype, ctx.x_shape))
         return grad_like(grad_x, ctx.x_shape), None, None, None, None, None, None
