@@ -90,6 +90,40 @@ def test_subset_partitions_and_inactive_workers(P_world, comm):
                 layer(torch.ones(3, 2, 5))
 
 
+@sizes(2, 3, 4)
+def test_empty_blocks_and_frozen_parameters_in_backward(P_world, comm):
+    """Workers whose block is empty and needs no gradient still join the backward's all-sum-reduce;
+    in eval mode with frozen parameters the backward needs no communication."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    x_shape = (comm.size - 1, 3, 4)  # the last worker's block is empty
+    layer, ref = _pair(P_x, x_shape, affine=False)
+    x = random_tensor(x_shape, seed=5) * 2 + 3
+    x_local = scatter(x, P_x)
+    x_local.requires_grad_(x_local.numel() > 0)
+    x_ref = x.clone().requires_grad_()
+    dy = random_tensor(x_shape, seed=6)
+    ref(x_ref).backward(dy)
+    layer(x_local).backward(scatter(dy, P_x))
+    if x_local.numel():
+        torch.testing.assert_close(x_local.grad, scatter(x_ref.grad, P_x), rtol=1e-10, atol=1e-10)
+    layer, ref = _pair(P_x, x_shape)
+    layer(scatter(x, P_x))  # running statistics
+    ref(x)
+    for module in (layer, ref):
+        module.eval().requires_grad_(False)
+    _check_steps(P_x, layer, ref, x_shape, steps=1)
+
+
+@sizes(1, 2)
+def test_double_backward_raises(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    layer = DistributedBatchNorm(P_x, 3).double()
+    x = scatter(random_tensor((4, 3, 5), seed=1), P_x).requires_grad_()
+    (grad,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad.sum().backward()
+
+
 @sizes(2, 3)
 def test_bfloat16_accumulates_in_float32(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
