@@ -1,5 +1,7 @@
 """DistributedFeatureConv1d/2d/3d: forward, input and parameter gradients equal torch's on the gathered tensors."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -14,11 +16,13 @@ LAYERS = {1: (DistributedFeatureConv1d, torch.nn.Conv1d), 2: (DistributedFeature
 # partitions, blocks smaller than the halo, empty output blocks, stride/dilation/padding/groups combinations.
 CASES = {
     1: [((1, 1, 1, 1), (2, 3, 6, 5), 4, dict(kernel_size=3, padding=1)),
-        ((1, 1, 1), (1, 2, 9), 3, dict(kernel_size=3, stride=2, dilation=2, padding=2))],
+        ((1, 1, 1), (1, 2, 9), 3, dict(kernel_size=3, stride=2, dilation=2, padding=2)),
+        ((1, 1, 1, 1), (1, 2, 6, 8), 3, dict(kernel_size=3, stride=2, padding=1))],  # right padding unused
     2: [((1, 1, 2, 1), (2, 2, 7, 5), 3, dict(kernel_size=3, padding=1)),
         ((2, 1, 1), (3, 2, 9), 2, dict(kernel_size=4, stride=3, padding=2)),
         ((1, 1, 1, 2), (1, 2, 4, 7), 4, dict(kernel_size=(3, 2), stride=(1, 2), dilation=(1, 2), padding=(1, 0),
-                                             groups=2))],
+                                             groups=2)),
+        ((1, 1, 1, 2), (1, 2, 6, 8), 2, dict(kernel_size=3, stride=2, padding=1))],
     3: [((1, 1, 3), (2, 2, 5), 3, dict(kernel_size=5, padding=2)),  # blocks of 2, 2, 1 with a halo of 2
         ((1, 1, 1, 3), (1, 2, 3, 8), 2, dict(kernel_size=3, stride=(1, 3), padding=1)),
         ((1, 1, 1, 3, 1), (1, 2, 3, 4, 3), 2, dict(kernel_size=2, padding="same"))],
@@ -150,3 +154,30 @@ def test_errors(P_world, comm):
                                              r"\(1, 2, 8\) over P_x of shape \(1, 1, 2\), got shape \(1, 2, 3\) "
                                              r"on P_x rank 0"):
             layer(torch.ones(1, 2, 3 if comm.rank == 0 else 5, dtype=torch.float64))
+
+
+@sizes(1, 2, 3, 4)
+def test_input_gradient_only_where_asked(P_world, comm, monkeypatch):
+    """No worker's input needs a gradient: the exchange's adjoint never runs; one worker's does: it gets its own."""
+    module = importlib.import_module("distdl.functional.window_exchange")  # the package exports a function by that name
+    adjoints = []
+    adjoint = module.window_scatter_add
+    monkeypatch.setattr(module, "window_scatter_add", lambda *args: adjoints.append(1) or adjoint(*args))
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size, 1))
+    x_global = random_tensor((2, 2, 3 * comm.size + 1, 5), seed=1)
+    dy_global = random_tensor((2, 3, 3 * comm.size + 1, 5), seed=2)
+    for asking in ((), (0,)):
+        layer, ref = _pair(P_x, 2, 2, 3, kernel_size=3, padding=1)
+        x_ref = x_global.clone().requires_grad_(bool(asking))
+        ref(x_ref).backward(dy_global)
+        x = scatter(x_global, P_x).requires_grad_(comm.rank in asking)
+        y = layer(x)
+        torch.testing.assert_close(y, scatter(ref(x_global), P_x).detach(), rtol=1e-12, atol=1e-12)
+        y.backward(scatter(dy_global, P_x))
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(getattr(layer, name).grad, getattr(ref, name).grad, rtol=1e-12, atol=1e-12)
+        if comm.rank in asking:
+            torch.testing.assert_close(x.grad, scatter(x_ref.grad, P_x), rtol=1e-12, atol=1e-12)
+        assert x.grad is None or comm.rank in asking
+        assert len(adjoints) == (0 if not asking or comm.size == 1 else 1)  # one worker: nothing exchanged
+        adjoints.clear()

@@ -107,3 +107,26 @@ def test_errors(P_world, comm):
         layer(torch.ones(1, 2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"expected an input large enough for an output, got global shape"):
         layer(torch.ones(1, 2, 1 if comm.rank == 0 else 0))
+
+
+@sizes(1, 2, 3, 4)
+def test_windows_inside_the_blocks_exchange_nothing(P_world, comm, monkeypatch):
+    """Pooling windows that lie in their workers' blocks (kernel == stride, aligned blocks) skip the exchange."""
+    from distdl.nn import _windows
+    exchanges = []
+    exchange = _windows.window_exchange
+    monkeypatch.setattr(_windows, "window_exchange", lambda *args: exchanges.append(1) or exchange(*args))
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size, 1))
+    # (global shape, kwargs, whether any worker exchanges): aligned blocks; blocks of 5 rows in windows of 4
+    # (the window a view of the block on one worker, an exchange on more); windows whose padding torch adds
+    # (on the right more than the window has, less than a stride); the width (not split) padded by torch.
+    cases = [((2, 3, 4 * comm.size, 6), dict(kernel_size=2), False),
+             ((2, 3, 4 * comm.size + 1, 6), dict(kernel_size=2), comm.size > 1),
+             ((1, 2, 6 * comm.size, 5), dict(kernel_size=3, stride=3, padding=1), comm.size > 1),
+             ((1, 2, 4 * comm.size, 5), dict(kernel_size=(4, 3), padding=(2, 1), stride=(4, 1)), comm.size > 1),
+             ((1, 2, 3 * comm.size, 5), dict(kernel_size=(1, 3), padding=(0, 1), stride=1), False)]
+    for x_shape, kwargs, exchanged in cases:
+        for kind in ("Max", "Avg"):
+            _check(P_x, *_layers(kind, 2, P_x, **kwargs), x_shape, calls=1)
+            assert bool(exchanges) == exchanged, (x_shape, kwargs, kind)
+            exchanges.clear()

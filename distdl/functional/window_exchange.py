@@ -18,6 +18,7 @@ outside P_x                passes and gets a zero-volume tensor
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -69,9 +70,9 @@ def _check(where, t, P_x, shape, windows, what):
     if not P_x.active:
         return
     check_dim(where, P_x, t)
-    if len(windows) != P_x.size or any(len(w) != P_x.dim for w in windows):
-        raise ValueError(f"{where}: expected {P_x.size} windows of {P_x.dim} dimensions, got {len(windows)}")
-    box = _block(P_x, P_x.index, shape) if what == "block" else windows[P_x.rank]
+    if len(windows) != P_x.comm.size or any(len(w) != P_x.dim for w in windows):
+        raise ValueError(f"{where}: expected {P_x.comm.size} windows of {P_x.dim} dimensions, got {len(windows)}")
+    box = _plan(P_x, tuple(shape), windows).block if what == "block" else windows[P_x.rank]
     expected = tuple(b - a for a, b in box)
     if tuple(t.shape) != expected:
         raise ValueError(f"{where}: expected a {what} of shape {expected} on rank {P_x._root.rank}, "
@@ -96,49 +97,75 @@ def _overlap(box, other):
     return tuple(mine), tuple(theirs)
 
 
+class _Plan(NamedTuple):
+    block: tuple[tuple[int, int], ...]  # this worker's block
+    sends: list  # (peer, block slices, window slices, shape): my block inside their window
+    recvs: list  # (peer, block slices, window slices, shape): their block inside my window
+    own: tuple | None  # (block slices, window slices): my block inside my window
+    covered: bool  # whether my window holds all of my block (the adjoint starts from a copy, not zeros)
+    outside: list  # window slices past the global edges (zeros), one slab per dimension and side
+
+
 def _plan(P_x, shape, windows):
-    """Return ``(sends, receives, copies)``: (peer, block slices, window slices) for this worker."""
+    """Return this worker's ``_Plan`` of the exchange (built once per global shape and windows)."""
     def build():
-        me = P_x.rank
+        me, window = P_x.rank, windows[P_x.rank]
         block = _block(P_x, P_x.index, shape)
-        sends, recvs, copies = [], [], []
+        sends, recvs, own = [], [], None
         for peer, index in enumerate(itertools.product(*map(range, P_x.shape))):
             out = _overlap(block, windows[peer])  # my block inside their window
-            if out is not None:
-                (copies if peer == me else sends).append((peer, *out))
+            if peer == me:
+                own = out
+            elif out is not None:
+                sends.append((peer, *out, tuple(s.stop - s.start for s in out[0])))
             if peer != me:
-                inward = _overlap(_block(P_x, index, shape), windows[me])  # their block inside my window
+                inward = _overlap(_block(P_x, index, shape), window)  # their block inside my window
                 if inward is not None:
-                    recvs.append((peer, inward[0], inward[1]))
-        return sends, recvs, copies
+                    recvs.append((peer, *inward, tuple(s.stop - s.start for s in inward[0])))
+        covered = own is not None and all(s.stop - s.start == b - a for s, (a, b) in zip(own[0], block))
+        full = tuple(slice(None) for _ in window)
+        outside = [full[:k] + (edge,) + full[k + 1:] for k, ((a, b), n) in enumerate(zip(window, shape))
+                   for edge in (slice(0, min(-a, b - a)) if a < 0 else None,
+                                slice(max(n - a, 0), b - a) if b > n else None) if edge is not None]
+        return _Plan(block, sends, recvs, own, covered, outside)
     return P_x._memo(("window plan", shape, windows), build)
 
 
 def _exchange(t, P_x, shape, windows, forward):
-    sends, recvs, copies = _plan(P_x, shape, windows)
+    """Forward: my window from the blocks (copies: every element has one source, or lies outside and is zero).
+    Adjoint: my block from the windows (sums: windows overlap)."""
+    plan = _plan(P_x, shape, windows)
+    incoming, outgoing = (plan.recvs, plan.sends) if forward else (plan.sends, plan.recvs)
+    side = 2 if forward else 1  # where pieces lie in my output: window slices forward, block slices adjoint
     if forward:
-        out = t.new_zeros(tuple(b - a for a, b in windows[P_x.rank]))
-        outgoing = [(peer, block) for peer, block, _ in sends]
-        incoming = [(peer, window) for peer, _, window in recvs]
+        out = t.new_empty(tuple(b - a for a, b in windows[P_x.rank]))
     else:
-        out = t.new_zeros(tuple(b - a for a, b in _block(P_x, P_x.index, shape)))
-        outgoing = [(peer, window) for peer, _, window in recvs]
-        incoming = [(peer, block) for peer, block, _ in sends]
+        out = (t.new_empty if plan.covered else t.new_zeros)(tuple(b - a for a, b in plan.block))
     requests, received = [], []
-    for peer, slices in incoming:
-        buf = transport.empty(out[slices].shape, t.dtype, t.device)
-        received.append((slices, buf))
-        requests.append(P_x.comm.Irecv(transport.buffer(buf), source=peer, tag=_TAG))
-    packed = []
-    for peer, slices in outgoing:
-        packed.append(transport.contiguous(t[slices]))
-        requests.append(P_x.comm.Isend(transport.buffer(packed[-1]), dest=peer, tag=_TAG))
-    for _, block, window in copies:
-        source, target = (block, window) if forward else (window, block)
-        out[target] += t[source]
+    for piece in incoming:
+        buf = transport.empty(piece[3], t.dtype, t.device)
+        received.append((piece[side], buf))
+        requests.append(P_x.comm.Irecv(transport.buffer(buf), source=piece[0], tag=_TAG))
+    packed = [transport.contiguous(t[piece[3 - side]]) for piece in outgoing]
+    for piece, buf in zip(outgoing, packed):
+        requests.append(P_x.comm.Isend(transport.buffer(buf), dest=piece[0], tag=_TAG))
+    if forward:
+        for slices in plan.outside:
+            out[slices] = 0
+    if plan.own is not None:
+        block, window = plan.own
+        if forward:
+            out[window].copy_(t[block])
+        elif plan.covered:
+            out.copy_(t[window])
+        else:
+            out[block] += t[window]
     MPI.Request.Waitall(requests)
-    for slices, buf in received:  # forward: disjoint pieces; adjoint: overlapping windows add up
-        out[slices] += buf
+    for slices, buf in received:
+        if forward:
+            out[slices].copy_(buf)
+        else:
+            out[slices] += buf
     return out
 
 

@@ -4,9 +4,11 @@ A windowed layer maps a global ``(N, C, *spatial)`` input, decomposed over ``P_x
 output decomposed over the same ``P_x`` (balanced blocks). Per spatial dimension the layer gives
 the output length for an input length, and the input range ``[a, b)`` an output range ``[o0, o1)``
 reads (it may reach past the global edges). From these every worker computes every worker's input
-window (cached per global input shape), fetches its own with ``window_exchange`` (zeros past the
-edges) and applies the torch op without padding. Along the batch and channel dimensions the window
-is the worker's own block.
+window (cached per set of block shapes), fetches its own with ``window_exchange`` (zeros past the
+edges) and applies the torch op to it. A layer whose op pads with zeros (convolution, pooling)
+leaves the zeros past the edges to the op wherever they lie on both sides of the window, so that
+only halos travel and, where the windows are the blocks, nothing does. Along the batch and channel
+dimensions the window is the worker's own block.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from distdl.functional.window_exchange import window_exchange
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
 
-__all__ = ["as_tuple", "check_input", "Plan", "plan", "exchange", "connect", "sliding_length", "sliding_source"]
+__all__ = ["as_tuple", "check_input", "Plan", "fetch", "connect", "sliding_length", "sliding_source"]
 
 
 def as_tuple(where: str, name: str, value: object, d: int, minimum: int = 0) -> tuple[int, ...]:
@@ -58,10 +60,8 @@ def _block(P_x: MPIPartition, index, shape) -> tuple[tuple[int, int], ...]:
     return tuple((int(a), int(b)) for a, b in zip(start, stop))
 
 
-def _global_shape(where: str, x: torch.Tensor, P_x: MPIPartition) -> tuple[int, ...]:
-    """Return the global shape from every worker's block (one allgather); every worker checks every block."""
-    extents = np.empty((P_x.size, P_x.dim), dtype=np.int64)
-    P_x.comm.Allgather(np.asarray(x.shape, dtype=np.int64), extents)
+def _global_shape(where: str, extents: np.ndarray, P_x: MPIPartition) -> tuple[int, ...]:
+    """Return the global shape from every worker's block shape; check that they form its balanced blocks."""
     index = np.stack(np.unravel_index(np.arange(P_x.size), P_x.shape), axis=1)
     shape = tuple(int(extents[(np.delete(index, k, axis=1) == 0).all(axis=1), k].sum()) for k in range(P_x.dim))
     for rank in range(P_x.size):
@@ -76,46 +76,77 @@ def _global_shape(where: str, x: torch.Tensor, P_x: MPIPartition) -> tuple[int, 
 class Plan(NamedTuple):
     x_shape: tuple[int, ...]  # global input shape
     y_shape: tuple[int, ...]  # global output shape
-    windows: tuple  # every worker's input window, in P_x rank order
+    windows: tuple  # every worker's input window, in P_x rank order, less the zeros the local op adds
     window: tuple[tuple[int, int], ...]  # this worker's input window
     block: tuple[tuple[int, int], ...]  # this worker's output block
+    padding: tuple[int, ...]  # per spatial dimension, the zeros the local op adds on both sides of the window
+    local: tuple[slice, ...] | None  # every window lies in its worker's block: this worker's window in ``x``
 
 
-def plan(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channels: int | None,
-         length: Callable[[int, int], int], source: Callable[[int, int, int, int, int], tuple[int, int]]) -> Plan:
-    """Return the windows of a layer; collective over ``P_x`` (one allgather of the block shapes).
+def fetch(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channels: int | None,
+          length: Callable[[int, int], int], source: Callable[[int, int, int, int, int], tuple[int, int]],
+          padded_stride: tuple[int, ...] | None = None) -> tuple[Plan, torch.Tensor]:
+    """Return the layer's plan and this worker's input window; collective over ``P_x``.
+
+    One small allgather per call (every worker's block shape, and whether it needs a gradient); the plan
+    is built once per key and set of block shapes. Where no worker's input needs a gradient, the exchange
+    stays out of the autograd graph. Where every worker's window lies in its own block (pooling with the
+    windows aligned to the blocks; one worker) nothing is exchanged and the window is ``x`` or a view of it.
 
     Args:
-        key: what identifies the layer's geometry (the plan is cached per key and global shape).
+        key: what identifies the layer's geometry.
         out_channels: the global output channels (``None``: as the input).
         length: ``length(k, n)``, the output length of spatial dimension ``k`` for input length ``n``.
         source: ``source(k, n, L, o0, o1)``, the input range ``[a, b)`` output range ``[o0, o1)`` reads.
+        padded_stride: the local op's stride per spatial dimension where it takes torch's zero padding
+            (``plan.padding``, on both sides; convolution, pooling), ``None`` where it takes none. The window
+            then leaves out the zeros past the global edges that the op adds itself.
     Raises:
         ValueError: blocks that do not form a balanced decomposition, or an empty global output.
     """
-    x_shape = _global_shape(where, x, P_x)
+    facts = np.array((*x.shape, torch.is_grad_enabled() and x.requires_grad), dtype=np.int64).reshape(1, -1)
+    if P_x.comm.size > 1:
+        mine, facts = facts, np.empty((P_x.comm.size, facts.size), dtype=np.int64)
+        P_x.comm.Allgather(mine, facts)
+    extents = facts[:, :-1]
 
     def build():
+        x_shape = _global_shape(where, extents, P_x)
         lengths = tuple(length(k, n) for k, n in enumerate(x_shape[2:]))
         if any(n < 1 for n in lengths):
             raise ValueError(f"{where}: expected an input large enough for an output, got global shape {x_shape} "
                              f"(output spatial shape {lengths})")
         y_shape = (x_shape[0], x_shape[1] if out_channels is None else out_channels) + lengths
-        windows = []
+        windows, paddings, blocks = [], [], []
         for rank in range(P_x.size):
             index = P_x.cartesian_index(rank)
-            box = _block(P_x, index, y_shape)
-            spatial = tuple((0, 0) if o0 == o1 else source(k, x_shape[2 + k], lengths[k], o0, o1)
-                            for k, (o0, o1) in enumerate(box[2:]))
-            windows.append(_block(P_x, index, x_shape)[:2] + spatial)
-        windows = tuple(windows)
-        return Plan(x_shape, y_shape, windows, windows[P_x.rank], _block(P_x, P_x.index, y_shape))
-    return P_x._memo(("windowed layer",) + key + (x_shape,), build)
+            blocks.append(_block(P_x, index, x_shape))
+            window, padding = list(blocks[-1][:2]), []
+            for k, (o0, o1) in enumerate(_block(P_x, index, y_shape)[2:]):
+                a, b = (0, 0) if o0 == o1 else source(k, x_shape[2 + k], lengths[k], o0, o1)
+                left, right = max(-a, 0), max(b - x_shape[2 + k], 0)  # zeros past the edges
+                # torch pads p on both sides: the left zeros exactly, and on the right as many as the window has
+                # there, or more where the surplus (less than a stride) adds no output; else what both sides have
+                p = 0 if padded_stride is None else left if left - right < padded_stride[k] else right
+                window.append((a + p, b - min(p, right)))
+                padding.append(p)
+            windows.append(tuple(window))
+            paddings.append(tuple(padding))
+        window, block = windows[P_x.rank], blocks[P_x.rank]
+        local = None
+        if all(a == b or s <= a and b <= e for w, bl in zip(windows, blocks) for (a, b), (s, e) in zip(w, bl)):
+            local = () if window == block else tuple(slice(a - s, b - s) if a < b else slice(0, 0)
+                                                      for (a, b), (s, _) in zip(window, block))
+        return Plan(x_shape, y_shape, tuple(windows), window, _block(P_x, P_x.index, y_shape), paddings[P_x.rank],
+                    local)
 
-
-def exchange(x: torch.Tensor, P_x: MPIPartition, plan: Plan) -> torch.Tensor:
-    """Return this worker's input window (zeros outside the global tensor)."""
-    return window_exchange(x, P_x, plan.x_shape, plan.windows)
+    plan = P_x._memo(("windowed layer", padded_stride) + key + (extents.tobytes(),), build)
+    if plan.local is not None:  # no exchange; () is the whole block, used as it is (a slice would copy in backward)
+        return plan, x[plan.local] if plan.local else x
+    if any(facts[:, -1].tolist()):  # some worker's input needs a gradient
+        return plan, window_exchange(x, P_x, plan.x_shape, plan.windows)
+    with torch.no_grad():
+        return plan, window_exchange(x, P_x, plan.x_shape, plan.windows)
 
 
 def connect(y: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,12 @@
 Forward ``y_j = conv(W_j x, w) + b``, ``W_j`` the window exchange onto worker ``j``'s input window;
 adjoint (input gradient) ``dx = sum_j W_j* conv^T(dy_j, w)``, ``dw = sum_j conv_w^T(W_j x, dy_j)``.
 Each worker fetches the input window its balanced block of the global output reads
-(``window_exchange``: halos of any width, zeros past the edges, so blocks smaller than the halo
-work) and convolves it without padding. ``w`` and ``b`` are replicated on every worker of ``P_x``
-and enter through ``all_sum_reduce_backward``, so their gradients are the totals; the input gradient
-comes back through ``window_scatter_add``.
+(``window_exchange``: halos of any width, so blocks smaller than the halo work) and convolves it;
+the zeros past the global edges are torch's padding where the window has them on both sides (the
+unsplit dimensions, one worker), and part of the window elsewhere. ``w`` and ``b`` are replicated on
+every worker of ``P_x`` and enter through one ``all_sum_reduce_backward``, so their gradients are the
+totals; the input gradient comes back through ``window_scatter_add`` (only where some worker's input
+needs one).
 
 ============================  =====================================================================
 worker                        does
@@ -127,14 +129,17 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         if x.dtype != self.weight.dtype:
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
         key = ("conv", self.kernel_size, self.stride, self._pads, self.dilation, self.out_channels)
-        plan = _windows.plan(name, x, self.P_x, key, self.out_channels, self._length, self._source)
-        window = _windows.exchange(x, self.P_x, plan)
-        weight = all_sum_reduce_backward(self.weight, self.P_x, axes_reduce=self.axes)
-        bias = None if self.bias is None else all_sum_reduce_backward(self.bias, self.P_x, axes_reduce=self.axes)
+        plan, window = _windows.fetch(name, x, self.P_x, key, self.out_channels, self._length, self._source,
+                                      self.stride)
+        weight, bias = self.weight, self.bias
+        if self.P_x.comm.size > 1 and torch.is_grad_enabled():  # one sum of the parameters' gradients
+            flat = torch.cat([weight.flatten()] + ([bias] if bias is not None else []))
+            flat = all_sum_reduce_backward(flat, self.P_x, axes_reduce=self.axes)
+            weight, bias = flat[:weight.numel()].view_as(weight), None if bias is None else flat[weight.numel():]
         shape = tuple(b - a for a, b in plan.block)
         if 0 in shape:  # still joined to the graph: its backward takes part in the collectives
             return _windows.connect(window.new_zeros(shape), window, weight, *([bias] if bias is not None else []))
-        return _CONV[self.dims](window, weight, bias, self.stride, 0, self.dilation, self.groups)
+        return _CONV[self.dims](window, weight, bias, self.stride, plan.padding, self.dilation, self.groups)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

@@ -82,8 +82,7 @@ class _DistributedGeneralConvNd(_BlockConvNd):
         if not self.P_x.active:
             return x
         key = ("conv", self.kernel_size, self.stride, self._pads, self.dilation, self.out_channels)
-        plan = _windows.plan(name, x, self.P_x, key, self.out_channels, self._length, self._source)
-        return _windows.exchange(x, self.P_x, plan)
+        return _windows.fetch(name, x, self.P_x, key, self.out_channels, self._length, self._source)[1]
 
     def _local_pads(self) -> tuple[tuple[int, int], ...]:
         return ((0, 0),) * self.dims  # the window holds the padding

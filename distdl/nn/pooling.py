@@ -2,11 +2,13 @@
 
 Forward ``y_j = pool(W_j x)``, ``W_j`` the window exchange onto worker ``j``'s input window; adjoint
 (input gradient) ``dx = sum_j W_j* pool'(W_j x)^T dy_j``. Each worker fetches the input window its
-balanced block of the global output reads (``window_exchange``; halos of any width) and pools it
-without padding. Max pooling fills the parts of the window outside the global tensor with the lowest
-value (``-inf``); average pooling sums the window and divides by torch's divisor for every output
-(padding counted or not, ``ceil_mode`` windows clipped), computed from the global geometry. The
-backward is autograd's through ``window_scatter_add``, the exchange's adjoint.
+balanced block of the global output reads (``window_exchange``; halos of any width; nothing where
+the windows lie in the blocks, as with ``stride == kernel_size`` and blocks a multiple of it) and
+pools it. The parts of the window outside the global tensor are torch's padding where the window has
+them on both sides, and part of the window elsewhere: max pooling fills those with the lowest value
+(``-inf``); average pooling sums the window and divides by torch's divisor for every output (padding
+counted or not, ``ceil_mode`` windows clipped), computed from the global geometry. The backward is
+autograd's through ``window_scatter_add``, the exchange's adjoint.
 
 ============================  =====================================================================
 worker                        does
@@ -76,8 +78,8 @@ class _DistributedPoolNd(torch.nn.Module):
         if not self.P_x.active:
             return None, x.clone(), None
         key = ("pool", self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
-        plan = _windows.plan(name, x, self.P_x, key, None, self._length, self._source)
-        return plan, _windows.exchange(x, self.P_x, plan), tuple(b - a for a, b in plan.block)
+        plan, window = _windows.fetch(name, x, self.P_x, key, None, self._length, self._source, self.stride)
+        return plan, window, tuple(b - a for a, b in plan.block)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
@@ -107,7 +109,7 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
         if inside is not None:
             lowest = -torch.inf if window.is_floating_point() else torch.iinfo(window.dtype).min
             window = window.masked_fill(~inside, lowest)
-        return _MAX[self.dims](window, self.kernel_size, self.stride, 0, self.dilation)
+        return _MAX[self.dims](window, self.kernel_size, self.stride, plan.padding, self.dilation)
 
 
 class _DistributedAvgPoolNd(_DistributedPoolNd):
@@ -144,11 +146,11 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         compute = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
         window = window.to(compute)
         if self.dims == 1:  # a sum pooling: torch's average with divisor 1
-            sums = F.avg_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride, 0, False, True,
-                                1).squeeze(-2)
+            sums = F.avg_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride,
+                                (0,) + plan.padding, False, True, 1).squeeze(-2)
         else:
-            sums = (F.avg_pool2d if self.dims == 2 else F.avg_pool3d)(window, self.kernel_size, self.stride, 0,
-                                                                     False, True, 1)
+            sums = (F.avg_pool2d if self.dims == 2 else F.avg_pool3d)(window, self.kernel_size, self.stride,
+                                                                     plan.padding, False, True, 1)
         divisor = self.divisor_override or torch.from_numpy(
             self.P_x._memo(("avg divisor", self.kernel_size, self.stride, self.padding, self.ceil_mode,
                             self.count_include_pad, plan.x_shape), lambda: self._divisor(plan))

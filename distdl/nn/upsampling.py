@@ -131,9 +131,8 @@ class DistributedUpsample(torch.nn.Module):
         precision = x.dtype == torch.float64
         key = ("upsample", self.size, self.scale_factor, self.recompute_scale_factor, self.mode,
                bool(self.align_corners), precision)
-        plan = _windows.plan(name, x, self.P_x, key, None, self._length,
-                             lambda k, n, length, o0, o1: self._source(k, n, length, o0, o1, x.dtype))
-        window = _windows.exchange(x, self.P_x, plan)
+        plan, window = _windows.fetch(name, x, self.P_x, key, None, self._length,
+                                      lambda k, n, length, o0, o1: self._source(k, n, length, o0, o1, x.dtype))
         shape = tuple(b - a for a, b in plan.block)
         if 0 in shape:
             return _windows.connect(window.new_zeros(shape), window)
