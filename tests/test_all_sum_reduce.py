@@ -107,3 +107,21 @@ def test_errors(P_world, comm):
         all_sum_reduce(torch.ones(1), P_world)
     with pytest.raises(TypeError, match="all_sum_reduce: expected a torch.Tensor, got list"):
         all_sum_reduce([1.0], P_world, axes_reduce=[0])
+
+
+@sizes(1, 2)
+def test_repeat_calls_check_as_the_first(P_world, comm):
+    """Calls after the first skip validation only for the very axes objects it validated."""
+    P_x = P_world.create_cartesian_topology_partition([comm.size])
+    axes = (0,)
+    x = torch.ones(2, dtype=torch.float64)
+    torch.testing.assert_close(all_sum_reduce(x, P_x, axes_reduce=axes), x * comm.size)
+    with pytest.raises(TypeError, match=r"all_sum_reduce: expected integers for axes, got \(0\.0,\)"):
+        all_sum_reduce(x, P_x, axes_reduce=(0.0,))  # equal to (0,) as a dict key
+    with pytest.raises(TypeError, match="all_sum_reduce: expected a dtype that can be summed, got torch.bool"):
+        all_sum_reduce(x.bool(), P_x, axes_reduce=axes)
+    torch.testing.assert_close(all_sum_reduce(x, P_x, axes_reduce=[0]), x * comm.size)  # a list: every call
+    P_x.free()  # a freed partition's plans go with it: this worker is outside it now
+    assert all_sum_reduce(torch.zeros(0), P_x, axes_reduce=axes).shape == (0,)
+    with pytest.raises(ValueError, match="all_sum_reduce: worker .* is outside P_x"):
+        all_sum_reduce(x, P_x, axes_reduce=axes)

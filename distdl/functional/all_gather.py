@@ -34,10 +34,10 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       header_of, in_graph, resolve_axes_cached)
+                                       header_of, in_graph)
 from distdl.functional._messages import (carries_payload, copy_payloads, decode, encode_message, message_length,
                                          payloads, rides_inline)
-from distdl.functional.all_sum_reduce import fibre
+from distdl.functional.all_sum_reduce import fibre_plan
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
@@ -65,21 +65,21 @@ def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int
     where = "all_gather"
     check_tensor(where, x)
     check_partition(where, "P_x", P_x)
-    axes = resolve_axes_cached(where, P_x, axes_all_gather, axes_keep, "axes_all_gather")
-    check_idle_input(where, P_x, x)
-    if not P_x.active:
+    plan = fibre_plan(where, x, P_x, axes_all_gather, axes_keep, "axes_all_gather", summed=False)
+    if plan.P_fibre is None:  # outside P_x
+        check_idle_input(where, P_x, x)
         return x.clone()
     check_dim(where, P_x, x)
     header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
-    P_fibre = fibre(P_x, axes)
-    if P_fibre.comm.size == 1:
+    if plan.alone:
         return x.clone()
+    axes, P_fibre = plan.axes, plan.P_fibre
     shapes, messages = exchange_messages(where, P_fibre, x)
     global_shape = _global_shape(where, P_fibre.shape, P_fibre.root_ranks, axes, tuple(shapes))
     verify(where, P_fibre, x, ("dim", "dtype", "device"))
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _gather(x, axes, P_fibre, global_shape, shapes, messages)
-    return _AllGather.apply(in_graph(x), P_x, axes, P_fibre, global_shape, (shapes, messages))
+    return _AllGather.apply(in_graph(x), P_x, plan, global_shape, (shapes, messages))
 
 
 def exchange_headers(where: str, P_fibre: MPIPartition, header: np.ndarray) -> list[tuple[int, ...]]:
@@ -208,15 +208,15 @@ def gather_adjoint(grad: torch.Tensor, axes: tuple[int, ...], P_fibre: MPIPartit
 class _AllGather(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, axes, P_fibre, global_shape, exchanged):
-        ctx.P_x, ctx.axes, ctx.P_fibre = P_x, axes, P_fibre
-        return _gather(x, axes, P_fibre, global_shape, *exchanged)
+    def forward(ctx, x, P_x, plan, global_shape, exchanged):
+        ctx.P_x, ctx.plan = P_x, plan
+        return _gather(x, plan.axes, plan.P_fibre, global_shape, *exchanged)
 
     @staticmethod
     def backward(ctx, grad_y):
         from distdl.functional.reduce_scatter import reduce_scatter, scatter_adjoint
         if torch.is_grad_enabled():  # double backward: record the adjoint too
-            grad_x = reduce_scatter(grad_y, ctx.P_x, axes_reduce_scatter=ctx.axes)
+            grad_x = reduce_scatter(grad_y, ctx.P_x, axes_reduce_scatter=ctx.plan.axes)
         else:
-            grad_x = scatter_adjoint(grad_y, ctx.axes, ctx.P_fibre)
-        return grad_x, None, None, None, None, None
+            grad_x = scatter_adjoint(grad_y, ctx.plan.axes, ctx.plan.P_fibre)
+        return grad_x, None, None, None, None

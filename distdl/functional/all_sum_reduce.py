@@ -43,23 +43,23 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
             data on a worker outside ``P_x``.
         TypeError: ``x`` of a dtype that cannot be summed (bool).
     """
-    axes = validate("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
-    if not P_x.active:
+    check_tensor("all_sum_reduce", x)
+    check_partition("all_sum_reduce", "P_x", P_x)
+    plan = fibre_plan("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
+    if plan.P_fibre is None:  # outside P_x
+        check_idle_input("all_sum_reduce", P_x, x)
         return x.clone()
-    P_fibre = fibre(P_x, axes)
-    verify("all_sum_reduce", P_fibre, x)
-    if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
-        return _sum(x, P_fibre)
-    return _AllSumReduce.apply(in_graph(x), P_x, axes, P_fibre)
+    return _run(x, plan)
 
 
-def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None,
-             axes_keep: Iterable[int] | None) -> tuple[int, ...]:
-    """Check the arguments of a fibre sum; return the partition axes summed along."""
+def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[int] | None,
+             axes_keep: Iterable[int] | None, what: str = "axes_reduce", summed: bool = True) -> tuple[int, ...]:
+    """Check the arguments of a fibre collective (``summed``: a sum); return the partition axes it acts along."""
     check_tensor(where, x)
     check_partition(where, "P_x", P_x)
-    axes = resolve_axes_cached(where, P_x, axes_reduce, axes_keep, "axes_reduce")
-    transport.reduction_dtype(where, x.dtype)
+    axes = resolve_axes_cached(where, P_x, axes, axes_keep, what)
+    if summed:
+        transport.reduction_dtype(where, x.dtype)
     check_idle_input(where, P_x, x)
     return axes
 
@@ -69,28 +69,73 @@ def fibre(P_x: MPIPartition, axes: tuple[int, ...]) -> MPIPartition:
     return P_x._memo(("fibre", axes), lambda: P_x.create_allreduction_partition(axes))
 
 
-def _sum(x: torch.Tensor, P_fibre: MPIPartition) -> torch.Tensor:
-    """Return the sum of ``x`` over ``P_fibre``: one Allreduce straight from and into tensor memory."""
-    comm = P_fibre.comm
-    if comm.size == 1:
+class FibrePlan:
+    """What the first call of a fibre collective with a partition, axes and dtype validated and built.
+
+    At 8 B a call's cost is mostly Python, so the calls after it look the plan up in the
+    partition's cache (freed with the partition) instead of validating again.
+    """
+    __slots__ = ("given", "axes", "P_fibre", "alone", "sum_dtype")
+
+    def __init__(self, given: tuple, axes: tuple[int, ...], P_x: MPIPartition,
+                 sum_dtype: torch.dtype | None) -> None:
+        self.given = given  # the axes arguments as passed, kept alive so that identity proves a match
+        self.axes = axes
+        self.P_fibre = fibre(P_x, axes) if P_x.active else None  # None outside P_x
+        self.alone = self.P_fibre is not None and self.P_fibre.comm.size == 1
+        self.sum_dtype = sum_dtype  # None: summed in the input's dtype
+
+
+def fibre_plan(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[int] | None,
+               axes_keep: Iterable[int] | None, what: str = "axes_reduce", summed: bool = True) -> FibrePlan:
+    """Return the plan of a call after :func:`validate`; skip validating when these very axes objects were.
+
+    ``x`` and ``P_x`` must have passed ``check_tensor`` and ``check_partition``.
+    """
+    key = (where, axes, axes_keep, x.dtype)
+    try:
+        plan = P_x._cache.get(key)
+    except TypeError:  # unhashable axes (a list): validated on every call
+        plan = key = None
+    # Equal axes are not enough to skip validation: (0.0,) equals (0,) as a key and must still be rejected.
+    if plan is not None and plan.given[0] is axes and plan.given[1] is axes_keep:
+        return plan
+    resolved = validate(where, x, P_x, axes, axes_keep, what, summed)
+    if plan is None:
+        sum_dtype = transport.reduction_dtype(where, x.dtype) if summed else x.dtype
+        plan = FibrePlan((axes, axes_keep), resolved, P_x, None if sum_dtype == x.dtype else sum_dtype)
+        if key is not None:
+            P_x._cache[key] = plan
+    return plan
+
+
+def _run(x: torch.Tensor, plan: FibrePlan) -> torch.Tensor:
+    """Return the fibre sum of ``x`` under ``plan``, recorded for autograd when grad mode is on."""
+    verify("all_sum_reduce", plan.P_fibre, x)
+    if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
+        return _sum(x, plan)
+    return _AllSumReduce.apply(in_graph(x), plan)
+
+
+def _sum(x: torch.Tensor, plan: FibrePlan) -> torch.Tensor:
+    """Return the sum of ``x`` over the plan's fibre: one Allreduce straight from and into tensor memory."""
+    if plan.alone:
         return x.clone()
-    x_sum = transport.contiguous(x, transport.reduction_dtype("all_sum_reduce", x.dtype))
+    x_sum = transport.contiguous(x, plan.sum_dtype)
     y = torch.empty_like(x_sum)
-    comm.Allreduce(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True), op=MPI.SUM)
-    return y if y.dtype == x.dtype else y.to(x.dtype)
+    plan.P_fibre.comm.Allreduce(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True), op=MPI.SUM)
+    return y if plan.sum_dtype is None else y.to(x.dtype)
 
 
 class _AllSumReduce(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, axes, P_fibre):
-        ctx.P_x, ctx.axes, ctx.P_fibre = P_x, axes, P_fibre
-        return _sum(x, P_fibre)
+    def forward(ctx, x, plan):  # one argument besides x: each costs autograd ~1 us
+        ctx.plan = plan
+        return _sum(x, plan)
 
     @staticmethod
     def backward(ctx, grad_y):
-        if torch.is_grad_enabled():  # double backward: record the adjoint too
-            return all_sum_reduce(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None
-        # The forward validated the arguments, and autograd gives grad_y y's shape and dtype.
-        verify("all_sum_reduce", ctx.P_fibre, grad_y)
-        return _sum(grad_y, ctx.P_fibre), None, None, None
+        # Self-adjoint; autograd gives grad_y y's dtype, so the forward's plan holds (in a double
+        # backward, _run records the adjoint too).
+        return _run(grad_y, ctx.plan), None

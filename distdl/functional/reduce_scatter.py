@@ -28,11 +28,10 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, header_of, in_graph,
-                                       resolve_axes_cached)
+from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, header_of, in_graph
 from distdl.functional._messages import carries_payload, rides_inline, sum_payloads
 from distdl.functional.all_gather import all_gather, exchange_messages, gather_adjoint, layout
-from distdl.functional.all_sum_reduce import fibre
+from distdl.functional.all_sum_reduce import fibre_plan
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 
@@ -60,16 +59,15 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
     where = "reduce_scatter"
     check_tensor(where, x)
     check_partition(where, "P_x", P_x)
-    axes = resolve_axes_cached(where, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter")
-    transport.reduction_dtype(where, x.dtype)
-    check_idle_input(where, P_x, x)
-    if not P_x.active:
+    plan = fibre_plan(where, x, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter")
+    if plan.P_fibre is None:  # outside P_x
+        check_idle_input(where, P_x, x)
         return x.clone()
     check_dim(where, P_x, x)
     header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
-    P_fibre = fibre(P_x, axes)
-    if P_fibre.comm.size == 1:
+    if plan.alone:
         return x.clone()
+    axes, P_fibre = plan.axes, plan.P_fibre
     # The headers are a safety check here (every member holds the full shape): members that
     # disagree all raise instead of posting mismatched reductions. Small tensors ride along.
     shapes, messages = exchange_messages(where, P_fibre, x)
@@ -80,7 +78,7 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
     verify(where, P_fibre, x)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _reduce_scatter(x, axes, P_fibre, messages)
-    return _ReduceScatter.apply(in_graph(x), P_x, axes, P_fibre, messages)
+    return _ReduceScatter.apply(in_graph(x), P_x, plan, messages)
 
 
 def _reduce_scatter(x, axes, P_fibre, messages):
@@ -122,14 +120,14 @@ def scatter_adjoint(grad: torch.Tensor, axes: tuple[int, ...], P_fibre: MPIParti
 class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, axes, P_fibre, messages):
-        ctx.P_x, ctx.axes, ctx.P_fibre, ctx.x_shape = P_x, axes, P_fibre, tuple(x.shape)
-        return _reduce_scatter(x, axes, P_fibre, messages)
+    def forward(ctx, x, P_x, plan, messages):
+        ctx.P_x, ctx.plan, ctx.x_shape = P_x, plan, tuple(x.shape)
+        return _reduce_scatter(x, plan.axes, plan.P_fibre, messages)
 
     @staticmethod
     def backward(ctx, grad_y):
         if torch.is_grad_enabled():  # double backward: record the adjoint too
-            grad_x = all_gather(grad_y, ctx.P_x, axes_all_gather=ctx.axes)
+            grad_x = all_gather(grad_y, ctx.P_x, axes_all_gather=ctx.plan.axes)
         else:
-            grad_x = gather_adjoint(grad_y, ctx.axes, ctx.P_fibre, ctx.x_shape)
-        return grad_x, None, None, None, None
+            grad_x = gather_adjoint(grad_y, ctx.plan.axes, ctx.plan.P_fibre, ctx.x_shape)
+        return grad_x, None, None, None
