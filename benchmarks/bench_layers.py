@@ -9,8 +9,8 @@ rank 0 alone (rank 1 sleeps meanwhile, so it does not take cycles from rank 0); 
 the torch model on each rank's half of the image without any communication, bounds what any
 spatial partitioning can reach on this machine. All use one thread per rank. The variants take
 turns step by step (interleaved); the report gives medians, the paired speed-up, each rank's peak
-memory (VmHWM, reset before each measured variant), and a per-layer forward comparison (each
-distributed layer against the torch layer on a block of the same size). It writes
+memory (VmHWM, reset before each measured variant), and a per-layer forward and backward comparison
+(each distributed layer against the torch layer on a block of the same size). It writes
 ``results/layers.md``.
 """
 
@@ -74,16 +74,28 @@ def current_rss() -> int:
 
 def per_layer(comm: MPI.Comm, dist_model: torch.nn.Sequential, seq_model: torch.nn.Sequential,
               x: torch.Tensor) -> list[str]:
-    """Return table rows: each distributed layer's forward against the torch layer on a same-shaped block."""
+    """Return table rows: each distributed layer's forward and backward against the torch layer on a
+    same-shaped block. The backward is the gradients of the layer's parameters and, past the first layer (as in
+    the training step), of its input, for a random rank-varying cotangent."""
     rows = []
-    with torch.no_grad():
-        for dist_layer, seq_layer in zip(dist_model, seq_model):
-            block = x.clone()
-            samples = h.interleaved(comm, {"distdl": lambda: dist_layer(x), "torch": lambda: seq_layer(block)},
+    for k, (dist_layer, seq_layer) in enumerate(zip(dist_model, seq_model)):
+        x_dist, x_seq = x.clone().requires_grad_(k > 0), x.clone().requires_grad_(k > 0)
+        with torch.no_grad():
+            forward = h.interleaved(comm, {"distdl": lambda: dist_layer(x_dist), "torch": lambda: seq_layer(x_seq)},
                                     rounds=9, batch_s=0.02, budget_s=1.0)
+        y_dist, y_seq = dist_layer(x_dist), seq_layer(x_seq)
+        dy = torch.randn(y_dist.shape, generator=torch.Generator().manual_seed(comm.rank))
+        wrt_dist = [x_dist] * (k > 0) + list(dist_layer.parameters())
+        wrt_seq = [x_seq] * (k > 0) + list(seq_layer.parameters())
+        backward = h.interleaved(comm, {"distdl": lambda: torch.autograd.grad(y_dist, wrt_dist, dy, retain_graph=True),
+                                        "torch": lambda: torch.autograd.grad(y_seq, wrt_seq, dy, retain_graph=True)},
+                                 rounds=9, batch_s=0.02, budget_s=1.0)
+        cells = []
+        for samples in (forward, backward):
             d, t = h.median(samples["distdl"]), h.median(samples["torch"])
-            rows.append(f"| {type(dist_layer).__name__} | {tuple(x.shape)} | {d * 1e3:.2f} | {t * 1e3:.2f} | "
-                        f"{h.paired_ratio(samples['distdl'], samples['torch']):.2f} |")
+            cells.append(f"{d * 1e3:.2f} | {t * 1e3:.2f} | {h.paired_ratio(samples['distdl'], samples['torch']):.2f}")
+        rows.append(f"| {type(dist_layer).__name__} | {tuple(x.shape)} | {' | '.join(cells)} |")
+        with torch.no_grad():
             x = dist_layer(x)
     return rows
 
@@ -196,10 +208,12 @@ def main() -> None:
               "Peak memory is the whole process's resident high-water mark during one step (Python, torch, MPI and the "
               "model included: about 330 MiB before any tensor); the last column is how far the step raised it above "
               "the resident memory just before. Rank 1 holds nothing in the torch variant.", "",
-              "Forward of each layer on rank 0's block (interleaved, median of rounds), against the torch layer on a "
-              "block of the same shape, which is what a partitioning without overhead would cost:", "",
-              "| layer | input block | distdl (ms) | torch on the block (ms) | ratio |",
-              "| --- | --- | ---: | ---: | ---: |"]
+              "Forward and backward of each layer on rank 0's block (interleaved, median of rounds; the slower rank's "
+              "time), against the torch layer on a block of the same shape, which is what a partitioning without "
+              "overhead would cost:", "",
+              "| layer | input block | forward: distdl (ms) | torch on the block (ms) | ratio | "
+              "backward: distdl (ms) | torch on the block (ms) | ratio |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += layer_rows
     lines += ["", f"Machine: {m['cores']} cores, load average {m['load']} at the end (shared with other users); thread "
               f"level {m['thread level']}; allocator: {m['allocator']}."]
