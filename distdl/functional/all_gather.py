@@ -37,7 +37,7 @@ from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_inpu
                                        header_of, in_graph)
 from distdl.functional._messages import (carries_payload, copy_payloads, decode, encode_message, message_length,
                                          payloads, rides_inline)
-from distdl.functional.all_sum_reduce import fibre_plan
+from distdl.functional.all_sum_reduce import FibrePlan, fibre_plan
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
@@ -63,15 +63,8 @@ def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int
         TypeError: ``x`` of an unsupported dtype.
     """
     where = "all_gather"
-    check_tensor(where, x)
-    check_partition(where, "P_x", P_x)
-    plan = fibre_plan(where, x, P_x, axes_all_gather, axes_keep, "axes_all_gather", summed=False)
-    if plan.P_fibre is None:  # outside P_x
-        check_idle_input(where, P_x, x)
-        return x.clone()
-    check_dim(where, P_x, x)
-    header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
-    if plan.alone:
+    plan = member_plan(where, x, P_x, axes_all_gather, axes_keep, "axes_all_gather", summed=False)
+    if plan is None:
         return x.clone()
     axes, P_fibre = plan.axes, plan.P_fibre
     shapes, messages = exchange_messages(where, P_fibre, x)
@@ -80,6 +73,21 @@ def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _gather(x, axes, P_fibre, global_shape, shapes, messages)
     return _AllGather.apply(in_graph(x), P_x, plan, global_shape, (shapes, messages))
+
+
+def member_plan(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[int] | None,
+                axes_keep: Iterable[int] | None, what: str, summed: bool) -> FibrePlan | None:
+    """Check the arguments of all_gather or reduce_scatter; return the fibre plan, or None where the result
+    is a copy of ``x`` (a worker outside ``P_x``, or alone in its fibre)."""
+    check_tensor(where, x)
+    check_partition(where, "P_x", P_x)
+    plan = fibre_plan(where, x, P_x, axes, axes_keep, what, summed)
+    if plan.P_fibre is None:  # outside P_x
+        check_idle_input(where, P_x, x)
+        return None
+    check_dim(where, P_x, x)
+    header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
+    return None if plan.alone else plan
 
 
 def exchange_headers(where: str, P_fibre: MPIPartition, header: np.ndarray) -> list[tuple[int, ...]]:

@@ -28,10 +28,9 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, header_of, in_graph
+from distdl.functional._common import in_graph
 from distdl.functional._messages import carries_payload, rides_inline, sum_payloads
-from distdl.functional.all_gather import all_gather, exchange_messages, gather_adjoint, layout
-from distdl.functional.all_sum_reduce import fibre_plan
+from distdl.functional.all_gather import all_gather, exchange_messages, gather_adjoint, layout, member_plan
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 
@@ -57,15 +56,8 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
         TypeError: ``x`` of a dtype that cannot be summed (bool).
     """
     where = "reduce_scatter"
-    check_tensor(where, x)
-    check_partition(where, "P_x", P_x)
-    plan = fibre_plan(where, x, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter")
-    if plan.P_fibre is None:  # outside P_x
-        check_idle_input(where, P_x, x)
-        return x.clone()
-    check_dim(where, P_x, x)
-    header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
-    if plan.alone:
+    plan = member_plan(where, x, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter", summed=True)
+    if plan is None:
         return x.clone()
     axes, P_fibre = plan.axes, plan.P_fibre
     # The headers are a safety check here (every member holds the full shape): members that
