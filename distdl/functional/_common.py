@@ -99,11 +99,6 @@ def decode_header(header) -> tuple[torch.dtype, tuple[int, ...]]:
     return _DTYPES[int(header[0])], tuple(int(n) for n in header[2:2 + int(header[1])])
 
 
-def empty_header():
-    import numpy as np
-    return np.full(HEADER_LENGTH, -1, dtype=np.int64)
-
-
 def check_flags(where: str, **flags: object) -> tuple[bool, ...]:
     """Return the named flags as bools; TypeError for anything that is not a bool."""
     import numpy as np
