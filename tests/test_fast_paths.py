@@ -70,6 +70,26 @@ def test_worker_in_two_groups(P_world, comm, mode):
 
 
 @sizes(1, 2, 3, 4)
+def test_broadcast_groups_are_checked_until_cached(P_world, comm):
+    """Later calls with the very same partitions skip the checks; anything else is checked again."""
+    P_root = P_world.create_partition_inclusive([0])
+    x = _data(3, 1) if P_root.active else torch.zeros(0)
+    for _ in range(2):
+        assert torch.equal(broadcast(x, P_root, P_world, preserve_batch=False), _data(3, 1))
+        total = sum_reduce(_data(3, comm.rank), P_world, P_root, preserve_batch=False)
+        assert torch.equal(total, sum(_data(3, r) for r in range(comm.size))) if P_root.active else total.numel() == 0
+    with pytest.raises(TypeError, match="expected a bool for transpose_src"):
+        broadcast(x, P_root, P_world, transpose_src=0)  # 0 == False as a cache key
+    with pytest.raises(TypeError, match="expected a bool for preserve_batch"):
+        sum_reduce(x, P_world, P_root, preserve_batch=1)
+    P_grid = P_world.create_cartesian_topology_partition((comm.size, 1))  # does not broadcast to P_world's (size,)
+    with pytest.raises(ValueError, match="expected the shape of P_x"):
+        broadcast(x, P_grid, P_world)
+    P_again = P_world.create_partition_inclusive([0])  # equal to P_root, another object: checked, then cached
+    assert torch.equal(broadcast(x, P_again, P_world, preserve_batch=False), _data(3, 1))
+
+
+@sizes(1, 2, 3, 4)
 def test_all_gather_and_reduce_scatter(P_world, comm, mode):
     for n in LENGTHS + (comm.size * LIMIT + 1,):  # the last: some blocks inline, some not
         X = _data(n, 1)

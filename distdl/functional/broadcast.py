@@ -59,21 +59,51 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
     """
     where = "broadcast"
     check_tensor(where, x)
-    transpose_src, transpose_dest, preserve_batch = check_flags(
-        where, transpose_src=transpose_src, transpose_dest=transpose_dest, preserve_batch=preserve_batch)
-    check_broadcastable(where, P_x, P_y, transpose_src, transpose_dest)
+    plan = groups(where, P_x, P_y, transpose_src, transpose_dest, preserve_batch)
     header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
     check_idle_input(where, P_x, x)
-    P_send, P_recv = broadcast_plan(P_x, P_y, transpose_src, transpose_dest)
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
-    if not (P_send.active or P_recv.active):
+    if not (plan.P_send.active or plan.P_recv.active):
         return x.clone()
-    flags = (transpose_src, transpose_dest, preserve_batch)
-    blocking = blocking_allowed(P_x, P_y, transpose_src, transpose_dest)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
-        return _broadcast(x, preserve_batch, P_send, P_recv, blocking)
-    return _Broadcast.apply(in_graph(x), P_x, P_y, flags, blocking, P_send, P_recv)
+        return _broadcast(x, bool(preserve_batch), plan.P_send, plan.P_recv, plan.blocking)
+    return _Broadcast.apply(in_graph(x), plan, P_x, bool(preserve_batch))
+
+
+class Groups:
+    """The groups broadcasting ``P_src`` onto ``P_dest`` (or sum-reducing ``P_dest`` onto ``P_src``): what a
+    call validated and built, kept in ``P_src``'s cache for the calls after it with these very partitions.
+
+    Below a few KiB a call's cost is mostly Python, and validating the partitions costs as much as the
+    collective.
+    """
+    __slots__ = ("P_dest", "transpose_src", "transpose_dest", "P_send", "P_recv", "blocking")
+
+    def __init__(self, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool, transpose_dest: bool) -> None:
+        # Not P_src, whose cache holds this: a cycle would leave its communicators to the garbage
+        # collector, which frees them at different times on different workers.
+        self.P_dest, self.transpose_src, self.transpose_dest = P_dest, transpose_src, transpose_dest
+        self.P_send, self.P_recv = broadcast_plan(P_src, P_dest, transpose_src, transpose_dest)
+        self.blocking = blocking_allowed(P_src, P_dest, transpose_src, transpose_dest)
+
+
+def groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: object, transpose_dest: object,
+           preserve_batch: object, names: tuple[str, str] = ("P_x", "P_y")) -> Groups:
+    """Return the :class:`Groups` of broadcasting ``P_src`` onto ``P_dest`` after checking the arguments;
+    the check runs once per pair of partition objects and transposes (flags of exactly bool type)."""
+    if type(transpose_src) is bool and type(transpose_dest) is bool and type(preserve_batch) is bool:
+        try:
+            plan = P_src._cache.get(("groups", id(P_dest), transpose_src, transpose_dest))
+        except AttributeError:  # not a partition: checked below
+            plan = None
+        if plan is not None and plan.P_dest is P_dest:  # the plan keeps P_dest alive: its id is not reused
+            return plan
+    transpose_src, transpose_dest, _ = check_flags(where, transpose_src=transpose_src,
+                                                   transpose_dest=transpose_dest, preserve_batch=preserve_batch)
+    check_broadcastable(where, P_src, P_dest, transpose_src, transpose_dest, names)
+    return P_src._memo(("groups", id(P_dest), transpose_src, transpose_dest),
+                       lambda: Groups(P_src, P_dest, transpose_src, transpose_dest))
 
 
 def check_broadcastable(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
@@ -162,21 +192,21 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
 class _Broadcast(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, P_y, flags, blocking, P_send, P_recv):
-        ctx.P_x, ctx.P_y, ctx.flags, ctx.x_shape, ctx.x_dtype = P_x, P_y, flags, x.shape, x.dtype
-        ctx.plan = blocking, P_send, P_recv
-        return _broadcast(x, flags[2], P_send, P_recv, blocking)
+    def forward(ctx, x, plan, P_x, preserve_batch):  # few arguments: each costs autograd ~1 us
+        ctx.plan, ctx.P_x, ctx.preserve_batch, ctx.x_shape, ctx.x_dtype = plan, P_x, preserve_batch, x.shape, x.dtype
+        return _broadcast(x, preserve_batch, plan.P_send, plan.P_recv, plan.blocking)
 
     @staticmethod
     def backward(ctx, grad_y):
         from distdl.functional.sum_reduce import _sum_reduce, sum_reduce  # the adjoints refer to each other
-        transpose_src, transpose_dest, preserve_batch = ctx.flags
+        plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too
-            grad_x = sum_reduce(grad_y, ctx.P_y, ctx.P_x, transpose_src=transpose_dest,
-                                transpose_dest=transpose_src, preserve_batch=preserve_batch)
+            grad_x = sum_reduce(grad_y, plan.P_dest, ctx.P_x, transpose_src=plan.transpose_dest,
+                                transpose_dest=plan.transpose_src, preserve_batch=ctx.preserve_batch)
         else:  # the forward validated the arguments; autograd gives grad_y y's shape and dtype
             if check_mode():
-                verify("sum_reduce", union(ctx.P_y, ctx.P_x) or ctx.P_y, agree=())
-            blocking, P_send, P_recv = ctx.plan  # the reduction runs on the same groups, reversed
-            grad_x = _sum_reduce(grad_y, preserve_batch, P_recv, P_send, blocking, (ctx.x_dtype, ctx.x_shape))
-        return grad_like(grad_x, ctx.x_shape), None, None, None, None, None, None
+                verify("sum_reduce", union(plan.P_dest, ctx.P_x) or plan.P_dest, agree=())
+            # the reduction runs on the same groups, reversed
+            grad_x = _sum_reduce(grad_y, ctx.preserve_batch, plan.P_recv, plan.P_send, plan.blocking,
+                                 (ctx.x_dtype, ctx.x_shape))
+        return grad_like(grad_x, ctx.x_shape), None, None, None
