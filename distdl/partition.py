@@ -10,6 +10,7 @@ disjoint sets of workers in different orders cannot deadlock each other.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -244,7 +245,7 @@ class MPIPartition:
     @property
     def size(self) -> int:
         """The number of workers."""
-        return int(np.prod(self._shape))
+        return math.prod(self._shape)  # ~0.2 us, against ~5 us for np.prod
 
     @property
     def shape(self) -> tuple[int, ...]:
