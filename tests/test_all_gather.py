@@ -88,6 +88,16 @@ def test_zero_volume_blocks_and_empty_tensors(P_world, comm):
 
 
 @sizes(3, 4)
+def test_empty_blocks_off_the_leading_dimension(P_world, comm):
+    P_x = P_world.create_cartesian_topology_partition([1, comm.size])
+    X = random_tensor((2, comm.size - 1), seed=7)  # the last worker's block is (2, 0)
+    x = scatter(X, P_x)
+    for t, expected in ((x, X), (x.to(torch.bfloat16), X.to(torch.bfloat16)), (x > 0, X > 0)):  # placed as bytes
+        assert torch.equal(all_gather(t, P_x, axes_all_gather=[1]), expected), (t.dtype, comm.rank)
+    assert_adjoint(lambda t: all_gather(t, P_x, axes_all_gather=[1]), x, comm)
+
+
+@sizes(3, 4)
 def test_inactive_workers(P_world, comm):
     P_x = P_world.create_partition_inclusive([1, 2]).create_cartesian_topology_partition([2])
     layer = AllGather(P_x, axes_all_gather=[0])
@@ -147,9 +157,12 @@ def test_errors(P_world, comm):
     # Unbalanced blocks: every member sees the same headers and raises the same error.
     rows = [2, 3, 2] if comm.size == 3 else [3, 1]
     total = sum(rows)
-    with pytest.raises(ValueError, match=rf"all_gather: expected the blocks of a balanced decomposition of a tensor "
-                                         rf"of shape \({total}, 2\), got shape \({rows[0]}, 2\) on worker 0"):
-        all_gather(torch.ones(rows[comm.rank], 2), P_world.create_cartesian_topology_partition([comm.size, 1]), [0])
+    P_column = P_world.create_cartesian_topology_partition([comm.size, 1])
+    for attempt in range(2):  # agreed headers are remembered, failed ones are not
+        with pytest.raises(ValueError, match=rf"all_gather: expected the blocks of a balanced decomposition of "
+                                             rf"a tensor of shape \({total}, 2\), got shape \({rows[0]}, 2\) on "
+                                             rf"worker 0"):
+            all_gather(torch.ones(rows[comm.rank], 2), P_column, [0])
     P_row = P_world.create_cartesian_topology_partition([1, comm.size])
     with pytest.raises(ValueError, match=r"all_gather: expected the blocks .* got shape \(3, 2\) on worker 1"):
         all_gather(torch.ones(3 if comm.rank == 1 else 2, 2), P_row, [1])  # a non-gathered extent differs

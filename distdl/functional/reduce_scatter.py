@@ -16,7 +16,7 @@ fibre get one extra element (no padding is visible). float16/bfloat16 are summed
 Members exchange headers each call (members that disagree in shape or dtype all raise); in fibres
 of up to 8 workers, tensors of up to 1 KiB travel with them and are summed locally (one collective).
 As the adjoint of :func:`all_gather` in a backward, the shapes already agree and no header round
-runs unless the tensors ride in it.
+runs.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import in_graph
-from distdl.functional._messages import carries_payload, rides_inline, sum_payloads
-from distdl.functional.all_gather import all_gather, exchange_messages, gather_adjoint, layout, member_plan
+from distdl.functional._messages import carries_payload, sum_payloads
+from distdl.functional.all_gather import Layout, agreed, all_gather, exchange, gather_adjoint, layout, member_plan
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 
@@ -56,38 +56,46 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
         TypeError: ``x`` of a dtype that cannot be summed (bool).
     """
     where = "reduce_scatter"
-    plan = member_plan(where, x, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter", summed=True)
-    if plan is None:
+    fibre = member_plan(where, x, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter", summed=True)
+    if fibre is None:
         return x.clone()
-    axes, P_fibre = plan.axes, plan.P_fibre
+    P_fibre, axes = fibre.P_fibre, fibre.axes
     # The headers are a safety check here (every member holds the full shape): members that
     # disagree all raise instead of posting mismatched reductions. Small tensors ride along.
-    shapes, messages = exchange_messages(where, P_fibre, x)
+    messages = exchange(where, P_fibre, x)
+    plan = agreed(where, P_fibre, ("agreed", where, axes), messages,
+                  lambda shapes: layout(P_fibre.shape, axes, _same_shape(where, P_fibre, shapes)))
+    verify(where, P_fibre, x)
+    if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
+        return _reduce_scatter(x, P_fibre, plan, messages)
+    return _ReduceScatter.apply(in_graph(x), (P_x, fibre, plan, messages))  # one argument: each costs autograd ~1 us
+
+
+def _same_shape(where: str, P_fibre: MPIPartition, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Return the members' one shape; ValueError (the same on every member) if they differ."""
     for r, shape in enumerate(shapes):
         if shape != shapes[0]:
             raise ValueError(f"{where}: expected the same shape on every member of the fibre, got {shapes[0]} on "
                              f"worker {P_fibre.root_ranks[0]} and {shape} on worker {P_fibre.root_ranks[r]}")
-    verify(where, P_fibre, x)
-    if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
-        return _reduce_scatter(x, axes, P_fibre, messages)
-    return _ReduceScatter.apply(in_graph(x), P_x, plan, messages)
+    return shapes[0]
 
 
-def _reduce_scatter(x, axes, P_fibre, messages):
-    """Return this member's block of the sum; ``messages`` (or None: not exchanged) may carry every ``x`` inline."""
+def _reduce_scatter(x, P_fibre, plan, messages):
+    """Return this member's block of the sum of ``x``, of :class:`Layout` ``plan``; ``messages`` (or None: not
+    exchanged) may carry every ``x`` inline."""
     sum_dtype = transport.reduction_dtype("reduce_scatter", x.dtype)
-    plan = layout(P_fibre.shape, axes, tuple(x.shape))
-    mine = plan.blocks[P_fibre.rank]
-    if messages is not None and carries_payload(messages, x.dtype, x.shape):  # every x came with the headers
-        y = sum_payloads(messages, list(range(len(messages))), x.dtype, x.shape, sum_dtype, mine)
-        return (y if y.dtype == x.dtype else y.to(x.dtype)).to(x.device)
+    rank = P_fibre.comm.rank
+    if messages is not None and carries_payload(messages, x.dtype, plan.shape):  # every x came with the headers
+        y = sum_payloads(messages, None, x.dtype, plan.shape, sum_dtype, plan.blocks[rank])
+        y = y if y.dtype == x.dtype else y.to(x.dtype)
+        return y if x.is_cpu else y.to(x.device)
     if plan.in_rank_order:
         x_sum = transport.contiguous(x, sum_dtype)
     else:  # pack: the blocks one after another in fibre rank order
         x_sum = transport.empty((x.numel(),), sum_dtype, x.device)
         for block, shape, n, d in zip(plan.blocks, plan.shapes, plan.counts, plan.displacements):
             x_sum[d:d + n].view(shape).copy_(x[block])
-    y = transport.empty(plan.shapes[P_fibre.rank], sum_dtype, x.device)
+    y = transport.empty(plan.shapes[rank], sum_dtype, x.device)
     send, recv = transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True)
     if plan.equal:  # MPICH's Reduce_scatter_block, like its Allgather, is faster than the general form
         P_fibre.comm.Reduce_scatter_block([send[0], recv[1], send[2]], recv, op=MPI.SUM)  # counts per block
@@ -96,30 +104,28 @@ def _reduce_scatter(x, axes, P_fibre, messages):
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def scatter_adjoint(grad: torch.Tensor, axes: tuple[int, ...], P_fibre: MPIPartition) -> torch.Tensor:
-    """Return :func:`reduce_scatter` of ``grad``, an all_gather's output gradient, in a backward.
+def scatter_adjoint(grad: torch.Tensor, P_fibre: MPIPartition, plan: Layout) -> torch.Tensor:
+    """Return :func:`reduce_scatter` of ``grad``, an all_gather's output gradient of :class:`Layout` ``plan``, in a
+    backward.
 
     Every member's shape and dtype are already agreed (autograd gives each gradient its output's
-    shape and dtype), so the header round runs only to carry tensors small enough to ride in it.
+    shape and dtype), so no header round runs (see :func:`~distdl.functional.all_gather.gather_adjoint`).
     """
     verify("reduce_scatter", P_fibre, grad)
-    messages = None
-    if rides_inline(grad.dtype, grad.shape, P_fibre.comm.size):
-        messages = exchange_messages("reduce_scatter", P_fibre, grad)[1]
-    return _reduce_scatter(grad, axes, P_fibre, messages)
+    return _reduce_scatter(grad, P_fibre, plan, None)
 
 
 class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, plan, messages):
-        ctx.P_x, ctx.plan, ctx.x_shape = P_x, plan, tuple(x.shape)
-        return _reduce_scatter(x, plan.axes, plan.P_fibre, messages)
+    def forward(ctx, x, call):
+        P_x, fibre, plan, messages = call
+        ctx.call = P_x, fibre, plan
+        return _reduce_scatter(x, fibre.P_fibre, plan, messages)
 
     @staticmethod
     def backward(ctx, grad_y):
+        P_x, fibre, plan = ctx.call
         if torch.is_grad_enabled():  # double backward: record the adjoint too
-            grad_x = all_gather(grad_y, ctx.P_x, axes_all_gather=ctx.plan.axes)
-        else:
-            grad_x = gather_adjoint(grad_y, ctx.plan.axes, ctx.plan.P_fibre, ctx.x_shape)
-        return grad_x, None, None, None
+            return all_gather(grad_y, P_x, axes_all_gather=fibre.axes), None
+        return gather_adjoint(grad_y, fibre.P_fibre, plan), None
