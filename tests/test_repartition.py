@@ -5,6 +5,7 @@ import gc
 import pytest
 import torch
 from distdl import MPIPartition
+from distdl.functional import _messages as messages
 from distdl.functional.repartition import repartition
 from distdl.nn.repartition import Repartition
 from distdl.partition import live_communicators
@@ -150,6 +151,31 @@ def test_dtypes_and_noncontiguous(P_world, comm):
     x_strided = x.t().contiguous().t()  # same values, column-major strides
     assert not x_strided.is_contiguous()
     assert torch.equal(layer(x_strided), scatter(x_global, P_y))
+
+
+@pytest.mark.parametrize("headers_only", [False, True])
+@sizes(2, 3, 4)
+def test_backward_without_header_round(P_world, comm, monkeypatch, headers_only):
+    # The backward knows the blocks from the forward: those that ride in a collective do, the
+    # others move point to point, with no header round; on both sides of the inline limit.
+    if headers_only:
+        monkeypatch.setattr(messages, "INLINE_GROUP", 1)
+    P_x = _partition(P_world, None, (comm.size, 1))
+    P_y = _partition(P_world, None, (1, comm.size))
+    limit = messages.INLINE_BYTES // 8  # float64 elements that ride
+    for shape, dtype in [((comm.size * (limit // comm.size) + 1, comm.size), torch.float64),  # P_x's blocks
+                         ((100, comm.size + 1), torch.float64),  # P_y's blocks on both sides of the limit
+                         ((5, 7), torch.complex128), ((5, 7), torch.bfloat16)]:
+        x_global, dy_global = (random_tensor(shape, seed=seed).to(dtype) for seed in shape)
+        x = scatter(x_global, P_x).requires_grad_()
+        y = repartition(x, P_x, P_y)
+        assert torch.equal(y, scatter(x_global, P_y)), (shape, dtype, comm.rank)
+        y.backward(scatter(dy_global, P_y))
+        assert torch.equal(x.grad, scatter(dy_global, P_x)), (shape, dtype, comm.rank)
+        if not dtype.is_complex:
+            x.grad = None
+            repartition(x, P_x, P_y).sum().backward()  # an expanded gradient, of stride 0
+            assert torch.equal(x.grad, torch.ones_like(x)), (shape, dtype, comm.rank)
 
 
 @sizes(1, 2)

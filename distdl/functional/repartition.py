@@ -15,12 +15,16 @@ in neither         passes and gets a zero-volume tensor, without communicating
 Each call, the workers of both partitions allgather a header (dtype, shape) of every x block, so
 receive-only workers learn the global shape and a call with a new shape works everywhere; the
 overlaps then move as non-blocking messages over the union of the partitions, one per pair. In
-unions of up to 8 workers, blocks of up to 1 KiB travel with the headers (one collective).
+unions of up to 8 workers, blocks of up to 1 KiB travel with the headers (one collective). The
+backward already knows the global structure from its forward: it runs no header round, and a
+collective only where some blocks ride in one.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import weakref
 
 import numpy as np
 import torch
@@ -30,7 +34,8 @@ from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
                                        decode_header, grad_like, header_of, in_graph, zero_volume_like)
-from distdl.functional._messages import (carries_payload, empty_message, encode_message, message_length, payloads)
+from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
+                                         message_length, payloads)
 from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index, compute_subshape
@@ -38,7 +43,7 @@ from distdl.utilities.slicing import compute_start_index, compute_stop_index, co
 __all__ = ["repartition"]
 
 _TAG = 7301
-_PLANS_KEPT = 16  # overlap plans kept per union, keyed by direction and the blocks' shapes and dtype
+_PLANS_KEPT = 16  # overlap plans kept per pair of partitions, keyed by the blocks' shapes and dtype
 
 
 @host_staged
@@ -59,14 +64,18 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
     """
     where = "repartition"
     check_tensor(where, x)
-    check_pair(where, P_x, P_y)
+    pair = _pair(where, P_x, P_y, preserve_batch)
     check_dim(where, P_x, x)
     check_idle_input(where, P_x, x)
     if P_x.active:
         header_of(where, x)  # rejects dtypes that cannot be described to receivers
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
-        verify(where, union(P_x, P_y) or P_x, agree=())
-    return _Repartition.apply(in_graph(x), P_x, P_y, bool(preserve_batch))
+        verify(where, pair.P_union or P_x, agree=())
+    if torch.is_grad_enabled():
+        x = in_graph(x)
+        if x.requires_grad:
+            return _Repartition.apply(x, pair)
+    return _forward(x, P_x, P_y, pair)[0]  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
 
 
 def check_pair(where: str, P_x: object, P_y: object) -> None:
@@ -92,53 +101,117 @@ def union(P_x: MPIPartition, P_y: MPIPartition) -> MPIPartition | None:
     return P_x._memo(key, lambda: P_x.create_partition_union(P_y))
 
 
+class _Pair:
+    """What the first call from ``P_x`` to ``P_y`` validated and built, kept in ``P_x``'s cache.
+
+    At 8 B a call's cost is mostly Python, so later calls with these very partition objects find
+    it by identity (``MPIPartition.__hash__`` is Python code) instead of checking them again. It
+    refers to the partitions weakly: a pair of each direction would otherwise keep both alive in a
+    cycle, and their communicators would be freed only by the garbage collector.
+    """
+    __slots__ = ("x_ref", "y_ref", "preserve_batch", "P_union", "comm", "plans")
+
+    def __init__(self, P_x: MPIPartition, P_y: MPIPartition, preserve_batch: bool) -> None:
+        self.x_ref, self.y_ref, self.preserve_batch = weakref.ref(P_x), weakref.ref(P_y), preserve_batch
+        self.P_union = union(P_x, P_y)
+        self.comm = None if self.P_union is None else self.P_union.comm
+        self.plans: dict = {}  # _Plan per global structure, keyed by the headers of P_x's blocks
+
+
+def _pair(where: str, P_x: object, P_y: object, preserve_batch: object) -> _Pair:
+    """Return the :class:`_Pair` of a call, checking the partitions where none is cached for them."""
+    check_partition(where, "P_x", P_x)
+    key = ("repartition pair", id(P_y), bool(preserve_batch))
+    pair = P_x._cache.get(key)
+    # A dead weak reference means another object had P_y's id; a union freed with P_y is built anew.
+    if pair is None or pair.y_ref() is not P_y or (pair.P_union is not None and pair.P_union.comm is not pair.comm):
+        check_pair(where, P_x, P_y)
+        for stale in [k for k, v in P_x._cache.items() if type(v) is _Pair and v.y_ref() is None]:
+            del P_x._cache[stale]  # the pairs of partitions P_y that are gone: their ids may not come back
+        pair = P_x._cache[key] = _Pair(P_x, P_y, bool(preserve_batch))
+    return pair
+
+
 class _Repartition(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, P_x, P_y, preserve_batch):
-        ctx.P_x, ctx.P_y, ctx.preserve_batch, ctx.x_shape = P_x, P_y, preserve_batch, x.shape
-        P_union = union(P_x, P_y)
-        if P_union is None:
-            return x.clone() if P_x.active else zero_volume_like(x, preserve_batch)
-        return _move(x, P_x, P_y, P_union, preserve_batch)
+    def forward(ctx, x, pair):  # one argument besides x: each costs autograd ~1 us
+        ctx.P_x, ctx.P_y, ctx.pair, ctx.x_shape = pair.x_ref(), pair.y_ref(), pair, x.shape
+        y, ctx.plan = _forward(x, ctx.P_x, ctx.P_y, pair)
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, ctx.preserve_batch)
-        return grad_like(grad_x, ctx.x_shape), None, None, None
+        pair = ctx.pair
+        if torch.is_grad_enabled():  # double backward: record the adjoint too
+            grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, pair.preserve_batch)
+        else:  # the forward validated the arguments; autograd gives grad_y y's shape and dtype
+            if check_mode():
+                verify("repartition", pair.P_union or ctx.P_y, agree=())
+            grad_x = _adjoint(grad_y, ctx.P_x, ctx.P_y, pair, ctx.plan)
+        return grad_like(grad_x, ctx.x_shape), None
 
 
-def _move(x, P_x, P_y, P_union, preserve_batch):
+def _forward(x, P_x, P_y, pair):
+    """Return this worker's block of ``R x`` and the plan it moved by (None without a union)."""
+    if pair.P_union is None:
+        return (x.clone() if P_x.active else zero_volume_like(x, pair.preserve_batch)), None
     # Header round; in unions of up to INLINE_GROUP workers, blocks of up to INLINE_BYTES ride along.
-    length = message_length(P_union.comm.size)
-    messages = np.empty((P_union.comm.size, length), dtype=np.int64)
-    P_union.comm.Allgather((encode_message("repartition", x) if P_x.active else empty_message())[:length], messages)
-    headers = messages[_union_ranks(P_union, P_x), :HEADER_LENGTH]  # P_x's blocks, in P_x rank order
-    # Plans are cached by the blocks' headers (the union serves both P_x -> P_y and P_y -> P_x).
-    plans, key = P_union._memo("plans", dict), (P_x.root_ranks, P_x.shape, headers.tobytes())
-    if key not in plans:
-        dtype, shape = _global_structure(headers, P_x)
-        if len(plans) >= _PLANS_KEPT:
-            plans.pop(next(iter(plans)))
-        plans[key] = (dtype, *_plan(P_x, P_y, P_union, shape))
-    dtype, y_shape, sends, recvs, copies = plans[key]
-    y = zero_volume_like(x, preserve_batch) if y_shape is None else transport.empty(y_shape, dtype, x.device)
-    requests, buffers, staged = [], [], []
-    for peer, slices, shape, their_slices in recvs:  # straight into y where the overlap is contiguous there
-        if carries_payload(messages, dtype, shape):  # that block came with the headers
-            y[slices] = payloads(messages[peer:peer + 1], dtype, shape)[0][their_slices]
+    size = pair.comm.size
+    messages = np.empty((size, message_length(size)), dtype=np.int64)
+    pair.comm.Allgather((encode_message("repartition", x) if P_x.active else empty_message())[:messages.shape[1]],
+                        messages)
+    key = messages[:, :HEADER_LENGTH].tobytes()  # the rows of workers outside P_x are always empty headers
+    plan = pair.plans.get(key)
+    if plan is None:
+        dtype, shape = _global_structure(messages[_union_ranks(pair.P_union, P_x), :HEADER_LENGTH], P_x)
+        if len(pair.plans) >= _PLANS_KEPT:
+            pair.plans.pop(next(iter(pair.plans)))
+        plan = pair.plans[key] = _Plan(P_x, P_y, pair.P_union, shape, dtype)
+    return _exchange(x, plan, pair, messages), plan
+
+
+def _adjoint(grad_y, P_x, P_y, pair, plan):
+    """Return ``R* grad_y`` in a backward: every worker knows the global structure from the forward,
+    so no header round runs; a collective carries the blocks only where some of them ride in one."""
+    if plan is None:
+        return grad_y.clone() if P_y.active else zero_volume_like(grad_y, pair.preserve_batch)
+    if plan.adjoint is None:
+        plan.adjoint = _Plan(P_y, P_x, pair.P_union, plan.shape, plan.dtype)
+    adjoint, messages, size = plan.adjoint, None, pair.comm.size
+    if adjoint.any_rides and message_length(size) == MESSAGE_LENGTH:  # decided alike by every worker
+        messages = np.empty((size, MESSAGE_LENGTH), dtype=np.int64)
+        pair.comm.Allgather(encode_message("repartition", grad_y) if P_y.active else empty_message(), messages)
+    return _exchange(grad_y, adjoint, pair, messages)
+
+
+def _exchange(x, plan, pair, messages):
+    """Return this worker's block of the moved tensor; ``messages`` (None: no collective) may carry blocks."""
+    y = (zero_volume_like(x, pair.preserve_batch) if plan.y_shape is None
+         else transport.empty(plan.y_shape, plan.dtype, x.device))
+    carried = messages is not None and messages.shape[1] == MESSAGE_LENGTH  # small blocks rode in the messages
+    comm, requests, buffers, staged = pair.comm, [], [], []
+    gathered = carried and plan.gather is not None and y.is_cpu
+    if gathered and y.numel():  # every piece of y is in the messages: one NumPy gather (~1 us per torch op saved)
+        unit, index = plan.gather
+        memory = np.frombuffer(MPI.buffer.fromaddress(y.data_ptr(), y.nbytes), dtype=unit)
+        messages.view(unit).reshape(-1).take(index, out=memory, mode="clip")  # "clip": unbuffered
+    for peer, slices, shape, their_slices, rides in () if gathered else plan.recvs:
+        if carried and rides:  # that block came with the headers
+            y[slices] = payloads(messages[peer:peer + 1], plan.dtype, shape)[0][their_slices]
             continue
-        view = y[slices]
-        buffers.append(view if view.is_contiguous() else transport.empty(view.shape, dtype, x.device))
+        view = y[slices]  # straight into y where the overlap is contiguous there
+        buffers.append(view if view.is_contiguous() else transport.empty(view.shape, plan.dtype, x.device))
         if buffers[-1] is not view:
             staged.append((view, buffers[-1]))
-        requests.append(P_union.comm.Irecv(transport.buffer(buffers[-1]), source=peer, tag=_TAG))
-    for peer, slices in sends if not carries_payload(messages, dtype, x.shape) else ():
+        requests.append(comm.Irecv(transport.buffer(buffers[-1]), source=peer, tag=_TAG))
+    for peer, slices in () if carried and plan.x_rides else plan.sends:
         buffers.append(transport.contiguous(x[slices]))
-        requests.append(P_union.comm.Isend(transport.buffer(buffers[-1]), dest=peer, tag=_TAG))
-    for x_slices, y_slices in copies:
+        requests.append(comm.Isend(transport.buffer(buffers[-1]), dest=peer, tag=_TAG))
+    for x_slices, y_slices in () if gathered else plan.copies:
         y[y_slices] = x[x_slices]
-    MPI.Request.Waitall(requests)
+    if requests:
+        MPI.Request.Waitall(requests)
     for view, buffer in staged:
         view.copy_(buffer)
     return y
@@ -171,26 +244,54 @@ def _union_ranks(P_union, P):
     return P_union._memo(("ranks", P.root_ranks), build)
 
 
-def _plan(P_x, P_y, P_union, shape):
-    """Return ``(y block shape, sends, receives, local copies)`` of this worker for a global ``shape``."""
-    sends, recvs, copies = [], [], []
-    if P_x.active:
-        ranks_y = _union_ranks(P_union, P_y)
-        for j, x_slices, y_slices in _overlaps(shape, P_x.shape, P_x.index, P_y.shape):
-            peer = int(ranks_y[np.ravel_multi_index(j, P_y.shape)])
-            if peer == P_union.rank:
-                copies.append((x_slices, y_slices))
-            else:
-                sends.append((peer, x_slices))
-    if P_y.active:
-        ranks_x = _union_ranks(P_union, P_x)
-        for i, y_slices, x_slices in _overlaps(shape, P_y.shape, P_y.index, P_x.shape):
-            peer = int(ranks_x[np.ravel_multi_index(i, P_x.shape)])
-            if peer != P_union.rank:
-                their_shape = tuple(compute_subshape(P_x.shape, i, shape).tolist())
-                recvs.append((peer, y_slices, their_shape, x_slices))
-    y_shape = tuple(compute_subshape(P_y.shape, P_y.index, shape).tolist()) if P_y.active else None
-    return y_shape, sends, recvs, copies
+class _Plan:
+    """How this worker moves a tensor of one global ``shape`` and ``dtype`` from ``P_x`` to ``P_y``."""
+    __slots__ = ("shape", "dtype", "y_shape", "sends", "recvs", "copies", "x_rides", "any_rides", "gather", "adjoint")
+
+    def __init__(self, P_x: MPIPartition, P_y: MPIPartition, P_union: MPIPartition, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> None:
+        self.shape, self.dtype, self.adjoint = shape, dtype, None  # adjoint: the plan back, built in a backward
+        self.sends, self.recvs, self.copies = [], [], []
+        x_shape = _block(P_x, P_x.index, shape) if P_x.active else None
+        self.x_rides = x_shape is not None and inline(dtype, x_shape)
+        # Whether any block of P_x can ride in a header round: its last block is its smallest.
+        self.any_rides = inline(dtype, _block(P_x, [p - 1 for p in P_x.shape], shape))
+        if P_x.active:
+            ranks_y = _union_ranks(P_union, P_y)
+            for j, x_slices, y_slices in _overlaps(shape, P_x.shape, P_x.index, P_y.shape):
+                peer = int(ranks_y[np.ravel_multi_index(j, P_y.shape)])
+                if peer == P_union.rank:
+                    self.copies.append((x_slices, y_slices))
+                else:
+                    self.sends.append((peer, x_slices))
+        sources = []  # (union rank, slices of y, block shape, slices of that block) of every piece of y
+        if P_y.active:
+            ranks_x = _union_ranks(P_union, P_x)
+            for i, y_slices, x_slices in _overlaps(shape, P_y.shape, P_y.index, P_x.shape):
+                peer = int(ranks_x[np.ravel_multi_index(i, P_x.shape)])
+                their_shape = _block(P_x, i, shape)
+                sources.append((peer, y_slices, their_shape, x_slices))
+                if peer != P_union.rank:
+                    self.recvs.append((peer, y_slices, their_shape, x_slices, inline(dtype, their_shape)))
+        self.y_shape = _block(P_y, P_y.index, shape) if P_y.active else None
+        self.gather = None  # where each element of y lies in allgathered messages, when every piece rides there
+        if self.y_shape is not None and all(inline(dtype, block) for _, _, block, _ in sources):
+            self.gather = _gather_index(self.y_shape, sources, dtype)
+
+
+def _block(P, index, shape):
+    """Return the shape of the block at ``index`` of ``P`` of the global ``shape``."""
+    return tuple(compute_subshape(P.shape, index, shape).tolist())
+
+
+def _gather_index(y_shape, sources, dtype):
+    """Return the positions of y's elements in allgathered messages viewed as a flat array of ``dtype``'s size."""
+    unit = np.dtype(f"u{dtype.itemsize}") if dtype.itemsize <= 8 else np.dtype((np.void, dtype.itemsize))
+    row, start = MESSAGE_LENGTH * 8 // unit.itemsize, HEADER_BYTES // unit.itemsize
+    index = np.empty(y_shape, dtype=np.intp)
+    for peer, y_slices, block, block_slices in sources:
+        index[y_slices] = (peer * row + start + np.arange(math.prod(block)).reshape(block))[block_slices]
+    return unit, index.reshape(-1)
 
 
 def _overlaps(shape, P_mine, index, P_theirs):
