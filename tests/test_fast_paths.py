@@ -1,13 +1,15 @@
-"""The small-message fast paths of the primitives: payloads inside the header round, blocking calls.
+"""The fast paths of the primitives: payloads inside the header round, blocking calls, pairwise sums.
 
 Every primitive is run on both sides of the inline limit (``INLINE_BYTES``), with the header-only
 round forced (``INLINE_GROUP = 1``), in plans where a worker is in two groups (non-blocking), and
-for the dtypes whose bytes travel inline; results are compared exactly with local references.
+for the dtypes whose bytes travel inline; results are compared exactly with local references. The
+large-message sums are run on both sides of ``PAIRWISE_SUM_BYTES``, with it lowered to small sizes.
 """
 
 import pytest
 import torch
 
+import distdl.backends.mpi as transport
 import distdl.functional._messages as messages
 from distdl.functional.all_gather import all_gather
 from distdl.functional.all_sum_reduce import all_sum_reduce
@@ -15,7 +17,7 @@ from distdl.functional.broadcast import blocking_allowed, broadcast
 from distdl.functional.reduce_scatter import reduce_scatter
 from distdl.functional.repartition import repartition
 from distdl.functional.sum_reduce import sum_reduce
-from distdl.testing import assert_adjoint, gather, scatter
+from distdl.testing import assert_adjoint, gather, random_tensor, scatter
 from helpers import sizes
 
 LIMIT = messages.INLINE_BYTES // 4  # float32 elements that still travel inline
@@ -131,3 +133,36 @@ def test_repartition(P_world, comm, mode):
         assert torch.equal(gather(y, P_cols), X)
     assert_adjoint(lambda t: repartition(t, P_rows, P_cols), scatter(_data(12, 1, torch.float64).reshape(3, 4),
                                                                       P_rows), comm)
+
+
+@pytest.mark.parametrize("threshold", [16, "default"])
+@sizes(2, 3, 4)
+def test_pairwise_sums(P_world, comm, threshold, monkeypatch):
+    """Sums from PAIRWISE_SUM_BYTES on: random rank-varying inputs against the sequential sum, adjoints, and
+    the same bits on every worker; lengths that do not divide by the number of workers leave a tail."""
+    if threshold != "default":
+        monkeypatch.setattr(transport, "PAIRWISE_SUM_BYTES", threshold)
+    limit = transport.PAIRWISE_SUM_BYTES // 8  # float64 elements
+    P_root = P_world.create_partition_inclusive([comm.size - 1])
+    for n in (limit - 1, limit, limit + 1, comm.size * limit + 1):
+        xs = [random_tensor((n,), seed=100 * n + r) for r in range(comm.size)]
+        expected = sum(xs)
+        y = all_sum_reduce(xs[comm.rank], P_world, [0])
+        torch.testing.assert_close(y, expected, rtol=1e-13, atol=1e-13)
+        assert len(set(comm.allgather(y.detach().numpy().tobytes()))) == 1  # every worker has the same bits
+        total = sum_reduce(xs[comm.rank], P_world, P_root, preserve_batch=False)
+        if P_root.active:
+            torch.testing.assert_close(total, expected, rtol=1e-13, atol=1e-13)
+        n_even = n - n % comm.size
+        z = reduce_scatter(xs[comm.rank][:n_even], P_world, [0])
+        torch.testing.assert_close(z, scatter(expected[:n_even], P_world), rtol=1e-13, atol=1e-13)
+    n = comm.size * limit + 3
+    P_y = P_world.create_partition_inclusive(list(range(1, comm.size)))  # rank 0 receives, and is no source
+    total = sum_reduce(random_tensor((n,), seed=comm.rank) if P_y.active else torch.zeros(0, dtype=torch.float64),
+                       P_y, P_root, preserve_batch=False)
+    if P_root.active:
+        torch.testing.assert_close(total, sum(random_tensor((n,), seed=r) for r in range(1, comm.size)))
+    x = random_tensor((n,), seed=comm.rank)
+    assert_adjoint(lambda t: all_sum_reduce(t, P_world, [0]), x, comm)
+    assert_adjoint(lambda t: sum_reduce(t, P_world, P_root), x, comm)
+    assert_adjoint(lambda t: reduce_scatter(t, P_world, [0]), x[:n - n % comm.size], comm)

@@ -9,12 +9,15 @@ are summed in float32 (never as integer bit patterns).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from mpi4py import MPI
 
 from distdl.backends import cuda
 
-__all__ = ["buffer", "reduction_dtype", "empty", "contiguous"]
+__all__ = ["buffer", "reduction_dtype", "empty", "contiguous", "allreduce_sum", "reduce_sum", "reduce_scatter_sum",
+           "PAIRWISE_SUM_BYTES"]
 
 _SUM_TYPES = {
     torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
@@ -59,3 +62,98 @@ def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Return a new uninitialised contiguous tensor to receive into."""
     return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+
+# From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
+# Allreduce, Reduce and Reduce_scatter_block are 1.5-3x slower than that on one node from ~128 KiB
+# (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
+PAIRWISE_SUM_BYTES = int(os.environ.get("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)) or None
+_PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: clear of distdl's other tags
+
+
+def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Write the sum over ``comm`` of ``x`` into ``y`` (both contiguous, of one summable dtype and shape).
+
+    Large tensors take a pairwise reduce-scatter (see :func:`_reduce_scatter_rows`) and an allgather
+    in place, with ``y`` as the scratch space, so nothing beyond it is allocated. Each element is
+    summed by one worker, so every worker gets the same bits.
+    """
+    rows = _rows(comm, x)
+    if rows is None:
+        comm.Allreduce(buffer(x, summed=True), buffer(y, summed=True), op=MPI.SUM)
+        return
+    r, p = comm.rank, comm.size
+    y_rows = _rows(comm, y)
+    _reduce_scatter_rows(comm, rows, y_rows[r], y_rows[(r + 1) % p])  # row r + 1 is free until the allgather
+    comm.Allgather(MPI.IN_PLACE, [buffer(y_rows)[0], y_rows[r].nbytes, MPI.BYTE])
+    _tail(x, y, p, lambda x_tail, y_tail: comm.Allreduce(x_tail, y_tail, op=MPI.SUM))
+
+
+def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
+    """Write the sum over ``comm`` of ``x`` into ``y`` on rank 0 (``y`` None elsewhere; ``x`` None where
+    rank 0 contributes nothing and ``y`` holds zeros). Large tensors take a pairwise reduce-scatter and a
+    gather, with ``y`` as rank 0's scratch space; the other workers hold one or two rows of ``x``."""
+    root = comm.rank == 0
+    rows = _rows(comm, y if x is None else x)
+    if rows is None:
+        comm.Reduce(MPI.IN_PLACE if x is None else buffer(x, summed=True), buffer(y, summed=True) if root else None,
+                    op=MPI.SUM, root=0)
+        return
+    if x is None:
+        x = torch.zeros_like(y)
+        rows = _rows(comm, x)
+    r, p = comm.rank, comm.size
+    if root:
+        y_rows = _rows(comm, y)
+        row, scratch = y_rows[0], y_rows[1]
+    else:
+        row = torch.empty_like(rows[r])
+        scratch = torch.empty_like(row) if p > 2 else None
+    _reduce_scatter_rows(comm, rows, row, scratch)
+    comm.Gather(MPI.IN_PLACE if root else buffer(row), [buffer(y_rows)[0], row.nbytes, MPI.BYTE] if root else None,
+                root=0)
+    _tail(x, y, p, lambda x_tail, y_tail: comm.Reduce(x_tail, y_tail if root else None, op=MPI.SUM, root=0))
+
+
+def reduce_scatter_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Write block ``r`` of the sum over ``comm`` of ``x`` (``p`` equal blocks, contiguous) into ``y`` on
+    worker ``r``. Large tensors take a pairwise reduce-scatter; from 3 workers it needs one block of scratch."""
+    rows = _rows(comm, x)
+    if rows is None:
+        send, recv = buffer(x, summed=True), buffer(y, summed=True)
+        comm.Reduce_scatter_block([send[0], recv[1], send[2]], recv, op=MPI.SUM)  # counts per block
+    else:
+        _reduce_scatter_rows(comm, rows, y.view(-1), torch.empty_like(y.view(-1)) if comm.size > 2 else None)
+
+
+def _rows(comm: MPI.Intracomm, t: torch.Tensor) -> torch.Tensor | None:
+    """Return ``t``'s first ``p * (numel // p)`` elements as ``p`` rows; None where MPI's own sum is used."""
+    p, n = comm.size, t.numel()
+    if p == 1 or PAIRWISE_SUM_BYTES is None or t.nbytes < PAIRWISE_SUM_BYTES or n < 2 * p:
+        return None
+    return t.view(-1)[:n - n % p].view(p, -1)
+
+
+def _reduce_scatter_rows(comm: MPI.Intracomm, rows: torch.Tensor, row: torch.Tensor,
+                         scratch: torch.Tensor | None) -> None:
+    """Sum row ``r`` of every worker's ``rows`` into ``row`` on worker ``r``.
+
+    Worker ``r`` receives its row from every other worker in turn while sending them theirs (one
+    single-copy transfer each), and adds it with torch; ``scratch`` holds the rows after the first.
+    Each element is summed in one fixed order, so the same inputs always give the same bits.
+    """
+    r, p = comm.rank, comm.size
+    for step in range(1, p):
+        to, source = (r + step) % p, (r - step) % p
+        into = row if step == 1 else scratch
+        comm.Sendrecv(buffer(rows[to]), to, _PAIRWISE_TAG, buffer(into), source, _PAIRWISE_TAG)
+        row.add_(rows[r] if step == 1 else scratch)
+
+
+def _tail(x: torch.Tensor, y: torch.Tensor | None, p: int, reduce) -> None:
+    """Sum the last ``numel % p`` elements, which the rows leave out, with MPI's own collective."""
+    n = x.numel()
+    if n % p:
+        reduce(buffer(x.view(-1)[n - n % p:], summed=True),
+               None if y is None else buffer(y.view(-1)[n - n % p:], summed=True))

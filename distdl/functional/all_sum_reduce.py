@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
@@ -118,12 +117,12 @@ def _run(x: torch.Tensor, plan: FibrePlan) -> torch.Tensor:
 
 
 def _sum(x: torch.Tensor, plan: FibrePlan) -> torch.Tensor:
-    """Return the sum of ``x`` over the plan's fibre: one Allreduce straight from and into tensor memory."""
+    """Return the sum of ``x`` over the plan's fibre, straight from and into tensor memory."""
     if plan.alone:
         return x.clone()
     x_sum = transport.contiguous(x, plan.sum_dtype)
     y = torch.empty_like(x_sum)
-    plan.P_fibre.comm.Allreduce(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True), op=MPI.SUM)
+    transport.allreduce_sum(plan.P_fibre.comm, x_sum, y)
     return y if plan.sum_dtype is None else y.to(x.dtype)
 
 

@@ -138,18 +138,16 @@ def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
             if receiver:  # sum the blocks here
                 y = sum_payloads(messages, sources, dtype, shape, accumulate).to(x.device)
             continue
-        contribution = MPI.IN_PLACE
-        if not receiver or sources_itself:
-            keep.append(transport.contiguous(x, accumulate))  # referenced until the wait
-            contribution = transport.buffer(keep[-1], summed=True)
+        x_sum = transport.contiguous(x, accumulate) if not receiver or sources_itself else None
         if receiver:  # a receiver that is no source of its group adds zeros
             y = transport.empty(shape, accumulate, x.device) if sources_itself else torch.zeros(
                 shape, dtype=accumulate, device=x.device)
-        target = transport.buffer(y, summed=True) if receiver else None
         if blocking:
-            P.comm.Reduce(contribution, target, op=MPI.SUM, root=0)
+            transport.reduce_sum(P.comm, x_sum, y if receiver else None)
         else:
-            requests.append(P.comm.Ireduce(contribution, target, op=MPI.SUM, root=0))
+            keep.append(x_sum)  # referenced until the wait
+            requests.append(P.comm.Ireduce(MPI.IN_PLACE if x_sum is None else transport.buffer(x_sum, summed=True),
+                                           transport.buffer(y, summed=True) if receiver else None, op=MPI.SUM, root=0))
     MPI.Request.Waitall(requests)
     if y is None:
         return zero_volume_like(x, preserve_batch)
