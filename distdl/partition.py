@@ -47,6 +47,14 @@ def _as_int_tuple(values: Iterable[Any], what: str, where: str) -> tuple[int, ..
     return tuple(int(v) for v in array.ravel())
 
 
+class _Other:
+    """An entry of a partition's cache about another partition, held weakly (see ``MPIPartition._memo_with``)."""
+    __slots__ = ("ref", "value")
+
+    def __init__(self, ref: weakref.ref, value: Any) -> None:
+        self.ref, self.value = ref, value
+
+
 class MPIPartition:
     """A set of workers (MPI ranks), optionally arranged as a Cartesian grid.
 
@@ -225,6 +233,22 @@ class MPIPartition:
             self._cache[key] = build()
         return self._cache[key]
 
+    def _memo_with(self, other: MPIPartition, key: Any, build: Any) -> Any:
+        """Return what ``build()`` returns for ``key`` and the partition object ``other``, built once.
+
+        The entry refers to ``other`` weakly and is found by identity. Entries keyed by partitions
+        would keep them alive, and a plan each way between two partitions (or from one to itself)
+        would make a cycle: the garbage collector would then free their communicators at different
+        times on different workers, and MPI's free may wait on the other members.
+        """
+        entry = self._cache.get((key, id(other)))
+        if entry is None or entry.ref() is not other:
+            # entries of partitions that are gone: their ids may be reused
+            for stale in [k for k, v in self._cache.items() if type(v) is _Other and v.ref() is None]:
+                del self._cache[stale]
+            entry = self._cache[(key, id(other))] = _Other(weakref.ref(other), build())
+        return entry.value
+
     # -- attributes -----------------------------------------------------------------------
 
     @property
@@ -321,6 +345,7 @@ class MPIPartition:
     def free(self) -> None:
         """Free this partition's communicator now (collective over its members); idempotent."""
         for value in self._cache.values():
+            value = value.value if type(value) is _Other else value
             for partition in value if isinstance(value, tuple) else (value,):
                 if isinstance(partition, MPIPartition):
                     partition.free()

@@ -241,6 +241,38 @@ def test_free_and_no_leak(P_world, comm):
     assert live_communicators() == start
 
 
+@sizes(1, 2, 3, 4)
+def test_plans_between_partitions_leave_no_cycle(P_world, comm):
+    """Plans each way between two partitions, and from one to itself, are freed with the partitions, without
+    the garbage collector (which would free their communicators at different times on different workers)."""
+    import torch
+    from distdl.functional import broadcast, repartition, sum_reduce
+    gc.collect()
+    start = live_communicators()
+    gc.disable()
+    try:
+        for _ in range(2):
+            P_a = P_world.create_cartesian_topology_partition((comm.size, 1))
+            P_b = P_world.create_cartesian_topology_partition((1, comm.size))
+            P_c = P_world.create_partition_inclusive(range(comm.size)[::-1]).create_cartesian_topology_partition(
+                (comm.size, 1))  # P_a's shape on other workers
+            P_one = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+            x = torch.ones(2, 3, requires_grad=True)
+            pairs = [(P_a, P_a), (P_a, P_b), (P_b, P_a), (P_one, P_a), (P_a, P_one)]
+            for P_x, P_y in pairs:
+                y = repartition(x if P_x.active else torch.zeros(0, 0), P_x, P_y)
+                y.sum().backward()
+            for P_x, P_y in [(P_a, P_a), (P_a, P_c), (P_c, P_a), (P_one, P_a)]:
+                y = broadcast(x if P_x.active else torch.zeros(0, 0), P_x, P_y)
+                z = sum_reduce(y, P_y, P_x)
+                z.sum().backward()
+            assert live_communicators() > start
+            del P_a, P_b, P_c, P_one, P_x, P_y, y, z, pairs
+            assert live_communicators() == start
+    finally:
+        gc.enable()
+
+
 @sizes(4)
 def test_creation_order_does_not_deadlock(P_world, comm):
     """Ranks build partitions over disjoint sets in different orders; non-members never block."""

@@ -24,6 +24,8 @@ no order of groups can deadlock.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from mpi4py import MPI
 
@@ -76,14 +78,12 @@ class Groups:
     call validated and built, kept in ``P_src``'s cache for the calls after it with these very partitions.
 
     Below a few KiB a call's cost is mostly Python, and validating the partitions costs as much as the
-    collective.
+    collective. It refers to ``P_dest`` weakly (see ``MPIPartition._memo_with``).
     """
-    __slots__ = ("P_dest", "transpose_src", "transpose_dest", "P_send", "P_recv", "blocking")
+    __slots__ = ("dest_ref", "transpose_src", "transpose_dest", "P_send", "P_recv", "blocking")
 
     def __init__(self, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool, transpose_dest: bool) -> None:
-        # Not P_src, whose cache holds this: a cycle would leave its communicators to the garbage
-        # collector, which frees them at different times on different workers.
-        self.P_dest, self.transpose_src, self.transpose_dest = P_dest, transpose_src, transpose_dest
+        self.dest_ref, self.transpose_src, self.transpose_dest = weakref.ref(P_dest), transpose_src, transpose_dest
         self.P_send, self.P_recv = broadcast_plan(P_src, P_dest, transpose_src, transpose_dest)
         self.blocking = blocking_allowed(P_src, P_dest, transpose_src, transpose_dest)
 
@@ -94,16 +94,16 @@ def groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src:
     the check runs once per pair of partition objects and transposes (flags of exactly bool type)."""
     if type(transpose_src) is bool and type(transpose_dest) is bool and type(preserve_batch) is bool:
         try:
-            plan = P_src._cache.get(("groups", id(P_dest), transpose_src, transpose_dest))
+            entry = P_src._cache.get((("groups", transpose_src, transpose_dest), id(P_dest)))
         except AttributeError:  # not a partition: checked below
-            plan = None
-        if plan is not None and plan.P_dest is P_dest:  # the plan keeps P_dest alive: its id is not reused
-            return plan
+            entry = None
+        if entry is not None and entry.ref() is P_dest:
+            return entry.value
     transpose_src, transpose_dest, _ = check_flags(where, transpose_src=transpose_src,
                                                    transpose_dest=transpose_dest, preserve_batch=preserve_batch)
     check_broadcastable(where, P_src, P_dest, transpose_src, transpose_dest, names)
-    return P_src._memo(("groups", id(P_dest), transpose_src, transpose_dest),
-                       lambda: Groups(P_src, P_dest, transpose_src, transpose_dest))
+    return P_src._memo_with(P_dest, ("groups", transpose_src, transpose_dest),
+                            lambda: Groups(P_src, P_dest, transpose_src, transpose_dest))
 
 
 def check_broadcastable(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
@@ -130,13 +130,11 @@ def blocking_allowed(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: b
     whole plan from the groups every worker computes alike (without communicating). Blocking
     calls save ~1 us each over non-blocking ones at small sizes. SumReduce's groups are the same.
     """
-    def build():
-        counts: dict[int, int] = {}
-        for members, _ in _broadcast_groups("broadcast", P_src, P_dest, transpose_src, transpose_dest):
-            for m in members:
-                counts[m] = counts.get(m, 0) + 1
-        return all(n == 1 for n in counts.values())
-    return P_src._memo(("broadcast blocking", P_dest, transpose_src, transpose_dest), build)
+    counts: dict[int, int] = {}
+    for members, _ in _broadcast_groups("broadcast", P_src, P_dest, transpose_src, transpose_dest):
+        for m in members:
+            counts[m] = counts.get(m, 0) + 1
+    return all(n == 1 for n in counts.values())
 
 
 def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
@@ -145,8 +143,8 @@ def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: boo
 
     SumReduce from ``P_dest`` to ``P_src`` uses the same groups, so a layer and its adjoint share them.
     """
-    key = ("broadcast", P_dest, transpose_src, transpose_dest)
-    return P_src._memo(key, lambda: P_src.create_broadcast_partition_to(P_dest, transpose_src, transpose_dest))
+    return P_src._memo_with(P_dest, ("broadcast", transpose_src, transpose_dest),
+                            lambda: P_src.create_broadcast_partition_to(P_dest, transpose_src, transpose_dest))
 
 
 def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
@@ -194,6 +192,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, P_x, preserve_batch):  # few arguments: each costs autograd ~1 us
         ctx.plan, ctx.P_x, ctx.preserve_batch, ctx.x_shape, ctx.x_dtype = plan, P_x, preserve_batch, x.shape, x.dtype
+        ctx.P_dest = plan.dest_ref()  # the plan holds it weakly; a backward with create_graph needs it
         return _broadcast(x, preserve_batch, plan.P_send, plan.P_recv, plan.blocking)
 
     @staticmethod
@@ -201,11 +200,11 @@ class _Broadcast(torch.autograd.Function):
         from distdl.functional.sum_reduce import _sum_reduce, sum_reduce  # the adjoints refer to each other
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too
-            grad_x = sum_reduce(grad_y, plan.P_dest, ctx.P_x, transpose_src=plan.transpose_dest,
+            grad_x = sum_reduce(grad_y, ctx.P_dest, ctx.P_x, transpose_src=plan.transpose_dest,
                                 transpose_dest=plan.transpose_src, preserve_batch=ctx.preserve_batch)
         else:  # the forward validated the arguments; autograd gives grad_y y's shape and dtype
             if check_mode():
-                verify("sum_reduce", union(plan.P_dest, ctx.P_x) or plan.P_dest, agree=())
+                verify("sum_reduce", union(ctx.P_dest, ctx.P_x) or ctx.P_dest, agree=())
             # the reduction runs on the same groups, reversed
             grad_x = _sum_reduce(grad_y, ctx.preserve_batch, plan.P_recv, plan.P_send, plan.blocking,
                                  (ctx.x_dtype, ctx.x_shape))

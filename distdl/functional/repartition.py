@@ -95,10 +95,10 @@ def union(P_x: MPIPartition, P_y: MPIPartition) -> MPIPartition | None:
     """Return the union of ``P_x`` and ``P_y``, built once and shared by both directions; None if unneeded."""
     if P_x == P_y or not (P_x.active or P_y.active):
         return None
-    key = ("repartition", P_y)
-    if key not in P_x._cache and ("repartition", P_x) in P_y._cache:
-        return P_y._cache[("repartition", P_x)]
-    return P_x._memo(key, lambda: P_x.create_partition_union(P_y))
+    entry = P_y._cache.get(("union", id(P_x)))
+    if entry is not None and entry.ref() is P_x:  # built the other way round
+        return entry.value
+    return P_x._memo_with(P_y, "union", lambda: P_x.create_partition_union(P_y))
 
 
 class _Pair:

@@ -160,17 +160,18 @@ class _SumReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan, P_y, preserve_batch):  # few arguments: each costs autograd ~1 us
         ctx.plan, ctx.P_y, ctx.preserve_batch, ctx.x_shape, ctx.x_dtype = plan, P_y, preserve_batch, x.shape, x.dtype
+        ctx.P_dest = plan.dest_ref()  # the plan holds it weakly; a backward with create_graph needs it
         return _sum_reduce(x, preserve_batch, plan.P_recv, plan.P_send, plan.blocking)
 
     @staticmethod
     def backward(ctx, grad_y):
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too
-            grad_x = broadcast(grad_y, ctx.P_y, plan.P_dest, transpose_src=plan.transpose_src,
+            grad_x = broadcast(grad_y, ctx.P_y, ctx.P_dest, transpose_src=plan.transpose_src,
                                transpose_dest=plan.transpose_dest, preserve_batch=ctx.preserve_batch)
         else:  # the forward validated the arguments and agreed on the blocks; grad_y has y's shape and dtype
             if check_mode():
-                verify("broadcast", union(ctx.P_y, plan.P_dest) or ctx.P_y, agree=())
+                verify("broadcast", union(ctx.P_y, ctx.P_dest) or ctx.P_y, agree=())
             grad_x = _broadcast(grad_y, ctx.preserve_batch, plan.P_send, plan.P_recv, plan.blocking,
                                 (ctx.x_dtype, ctx.x_shape))
         return grad_like(grad_x, ctx.x_shape), None, None, None
