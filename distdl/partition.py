@@ -249,6 +249,11 @@ class MPIPartition:
             entry = self._cache[(key, id(other))] = _Other(weakref.ref(other), build())
         return entry.value
 
+    def _cached_with(self, other: MPIPartition, key: Any) -> Any:
+        """Return what :meth:`_memo_with` built for ``key`` and ``other``, or None (a lookup costs ~0.2 us)."""
+        entry = self._cache.get((key, id(other)))
+        return entry.value if entry is not None and entry.ref() is other else None
+
     # -- attributes -----------------------------------------------------------------------
 
     @property

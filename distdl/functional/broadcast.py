@@ -94,11 +94,11 @@ def groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src:
     the check runs once per pair of partition objects and transposes (flags of exactly bool type)."""
     if type(transpose_src) is bool and type(transpose_dest) is bool and type(preserve_batch) is bool:
         try:
-            entry = P_src._cache.get((("groups", transpose_src, transpose_dest), id(P_dest)))
+            plan = P_src._cached_with(P_dest, ("groups", transpose_src, transpose_dest))
         except AttributeError:  # not a partition: checked below
-            entry = None
-        if entry is not None and entry.ref() is P_dest:
-            return entry.value
+            plan = None
+        if plan is not None:
+            return plan
     transpose_src, transpose_dest, _ = check_flags(where, transpose_src=transpose_src,
                                                    transpose_dest=transpose_dest, preserve_batch=preserve_batch)
     check_broadcastable(where, P_src, P_dest, transpose_src, transpose_dest, names)

@@ -95,10 +95,8 @@ def union(P_x: MPIPartition, P_y: MPIPartition) -> MPIPartition | None:
     """Return the union of ``P_x`` and ``P_y``, built once and shared by both directions; None if unneeded."""
     if P_x == P_y or not (P_x.active or P_y.active):
         return None
-    entry = P_y._cache.get(("union", id(P_x)))
-    if entry is not None and entry.ref() is P_x:  # built the other way round
-        return entry.value
-    return P_x._memo_with(P_y, "union", lambda: P_x.create_partition_union(P_y))
+    built = P_y._cached_with(P_x, "union")  # the other way round
+    return built if built is not None else P_x._memo_with(P_y, "union", lambda: P_x.create_partition_union(P_y))
 
 
 class _Pair:
@@ -106,8 +104,7 @@ class _Pair:
 
     At 8 B a call's cost is mostly Python, so later calls with these very partition objects find
     it by identity (``MPIPartition.__hash__`` is Python code) instead of checking them again. It
-    refers to the partitions weakly: a pair of each direction would otherwise keep both alive in a
-    cycle, and their communicators would be freed only by the garbage collector.
+    refers to the partitions weakly (see ``MPIPartition._memo_with``).
     """
     __slots__ = ("x_ref", "y_ref", "preserve_batch", "P_union", "comm", "plans")
 
@@ -121,14 +118,12 @@ class _Pair:
 def _pair(where: str, P_x: object, P_y: object, preserve_batch: object) -> _Pair:
     """Return the :class:`_Pair` of a call, checking the partitions where none is cached for them."""
     check_partition(where, "P_x", P_x)
-    key = ("repartition pair", id(P_y), bool(preserve_batch))
-    pair = P_x._cache.get(key)
-    # A dead weak reference means another object had P_y's id; a union freed with P_y is built anew.
-    if pair is None or pair.y_ref() is not P_y or (pair.P_union is not None and pair.P_union.comm is not pair.comm):
+    key = ("repartition pair", bool(preserve_batch))
+    pair = P_x._cached_with(P_y, key)
+    if pair is None or (pair.P_union is not None and pair.P_union.comm is not pair.comm):  # or a union freed since
         check_pair(where, P_x, P_y)
-        for stale in [k for k, v in P_x._cache.items() if type(v) is _Pair and v.y_ref() is None]:
-            del P_x._cache[stale]  # the pairs of partitions P_y that are gone: their ids may not come back
-        pair = P_x._cache[key] = _Pair(P_x, P_y, bool(preserve_batch))
+        P_x._cache.pop((key, id(P_y)), None)
+        pair = P_x._memo_with(P_y, key, lambda: _Pair(P_x, P_y, bool(preserve_batch)))
     return pair
 
 
