@@ -64,7 +64,6 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-
 # From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
 # Allreduce, Reduce and Reduce_scatter_block are 1.5-3x slower than that on one node from ~128 KiB
 # (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
@@ -151,9 +150,9 @@ def _reduce_scatter_rows(comm: MPI.Intracomm, rows: torch.Tensor, row: torch.Ten
         row.add_(rows[r] if step == 1 else scratch)
 
 
-def _tail(x: torch.Tensor, y: torch.Tensor | None, p: int, reduce) -> None:
-    """Sum the last ``numel % p`` elements, which the rows leave out, with MPI's own collective."""
+def _tail(x: torch.Tensor, y: torch.Tensor | None, p: int, collective) -> None:
+    """Sum the last ``numel % p`` elements, which the rows leave out, with MPI's own ``collective``."""
     n = x.numel()
     if n % p:
-        reduce(buffer(x.view(-1)[n - n % p:], summed=True),
+        collective(buffer(x.view(-1)[n - n % p:], summed=True),
                None if y is None else buffer(y.view(-1)[n - n % p:], summed=True))
