@@ -166,3 +166,36 @@ def test_pairwise_sums(P_world, comm, threshold, monkeypatch):
     assert_adjoint(lambda t: all_sum_reduce(t, P_world, [0]), x, comm)
     assert_adjoint(lambda t: sum_reduce(t, P_world, P_root), x, comm)
     assert_adjoint(lambda t: reduce_scatter(t, P_world, [0]), x[:n - n % comm.size], comm)
+
+
+@sizes(1, 2, 3)
+def test_broadcast_root_output_is_copy_on_write(P_world, comm):
+    """The root keeps x as its output without copying it; a write to either, by torch or by MPI through the
+    transport, gives it memory of its own, so neither shows in the other."""
+    from mpi4py import MPI
+    P_root = P_world.create_partition_inclusive([0])
+    expected = random_tensor((64, 64), seed=5)  # 32 KiB: not inline
+    x = expected.clone() if P_root.active else torch.zeros(0, 0, dtype=expected.dtype)
+
+    def call():
+        return broadcast(x, P_root, P_world, preserve_batch=False)
+    y = call()
+    assert torch.equal(y, expected)
+    if P_root.active:
+        assert y.const_data_ptr() == x.const_data_ptr()  # shared, not copied
+        y.add_(1)
+        assert torch.equal(x, expected) and torch.equal(y, expected + 1)
+    y = call()
+    if P_root.active:
+        x.mul_(2)
+        assert torch.equal(y, expected) and torch.equal(x, 2 * expected)
+    y = call()
+    comm.Allreduce(MPI.IN_PLACE, transport.buffer(y, summed=True), op=MPI.SUM)  # MPI writes into y
+    assert torch.equal(y, 2 * expected * comm.size)
+    if P_root.active:
+        assert torch.equal(x, 2 * expected)
+    x_strided = expected.t() if P_root.active else x  # not contiguous: copied at once
+    y = broadcast(x_strided, P_root, P_world, preserve_batch=False)
+    assert torch.equal(y, expected.t())
+    if P_root.active:
+        assert y.const_data_ptr() != x_strided.const_data_ptr()

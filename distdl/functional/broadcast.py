@@ -173,15 +173,15 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
         dtype, shape = decode(message) if recv_header else incoming
         small = inline(dtype, shape)
         y = inline_payload(message, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
-    # Data round for larger blocks, straight from and into tensor memory. Non-blocking, so that a
-    # worker that feeds itself copies x while the receivers read it (MPI's single-copy transfer).
+    # Data round for larger blocks, straight from and into tensor memory. A worker that feeds itself
+    # returns a copy-on-write copy of x: it copies nothing unless x or the output is written later.
     requests = []
     if sending and not inline(x.dtype, x.shape):
         x_send = transport.contiguous(x)  # keep a reference until the wait
-        requests.append(P_send.comm.Ibcast(transport.buffer(x_send), root=0))
+        requests.append(P_send.comm.Ibcast(transport.buffer(x_send, read_only=True), root=0))
     if receiving and not small:
         requests.append(P_recv.comm.Ibcast(transport.buffer(y), root=0))
-    y = x.clone() if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
+    y = transport.copy(x) if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
     if requests:
         MPI.Request.Waitall(requests)
     return y
