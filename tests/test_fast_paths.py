@@ -199,3 +199,17 @@ def test_broadcast_root_output_is_copy_on_write(P_world, comm):
     assert torch.equal(y, expected.t())
     if P_root.active:
         assert y.const_data_ptr() != x_strided.const_data_ptr()
+
+
+def test_pairwise_sum_setting_is_checked():
+    import os
+    import subprocess
+    import sys
+    code = "import distdl.backends.mpi as m; print(m.PAIRWISE_SUM_BYTES)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DISTDL_PAIRWISE_SUM_BYTES": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "None"  # off
+    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DISTDL_PAIRWISE_SUM_BYTES": "1e5"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "DISTDL_PAIRWISE_SUM_BYTES: expected a number of bytes (0 for never), got '1e5'" \
+        in bad.stderr

@@ -82,7 +82,14 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 # From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
 # Allreduce, Reduce and Reduce_scatter_block are 1.5-3x slower than that on one node from ~128 KiB
 # (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
-PAIRWISE_SUM_BYTES = int(os.environ.get("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)) or None
+def _bytes_setting(name: str, default: int) -> int | None:
+    value = os.environ.get(name, "").strip() or str(default)
+    if not value.isdigit():
+        raise ValueError(f"{name}: expected a number of bytes (0 for never), got {value!r}")
+    return int(value) or None
+
+
+PAIRWISE_SUM_BYTES = _bytes_setting("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)
 _PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: clear of distdl's other tags
 
 
