@@ -80,7 +80,7 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 # From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
-# Allreduce, Reduce and Reduce_scatter_block are 1.5-3x slower than that on one node from ~128 KiB
+# Allreduce, Reduce and Reduce_scatter_block are 1.3-3x slower than that on one node from ~128 KiB
 # (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
 def _bytes_setting(name: str, default: int) -> int | None:
     value = os.environ.get(name, "").strip() or str(default)
