@@ -239,15 +239,17 @@ class MPIPartition:
         The entry refers to ``other`` weakly and is found by identity. Entries keyed by partitions
         would keep them alive, and a plan each way between two partitions (or from one to itself)
         would make a cycle: the garbage collector would then free their communicators at different
-        times on different workers, and MPI's free may wait on the other members.
+        times on different workers, and MPI's free may wait on the other members. ``build()`` must not
+        return None.
         """
-        entry = self._cache.get((key, id(other)))
-        if entry is None or entry.ref() is not other:
+        value = self._cached_with(other, key)
+        if value is None:
             # entries of partitions that are gone: their ids may be reused
             for stale in [k for k, v in self._cache.items() if type(v) is _Other and v.ref() is None]:
                 del self._cache[stale]
-            entry = self._cache[(key, id(other))] = _Other(weakref.ref(other), build())
-        return entry.value
+            value = build()
+            self._cache[(key, id(other))] = _Other(weakref.ref(other), value)
+        return value
 
     def _cached_with(self, other: MPIPartition, key: Any) -> Any:
         """Return what :meth:`_memo_with` built for ``key`` and ``other``, or None (a lookup costs ~0.2 us)."""

@@ -79,9 +79,6 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
 
-# From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
-# Allreduce, Reduce and Reduce_scatter_block are 1.3-3x slower than that on one node from ~128 KiB
-# (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
 def _bytes_setting(name: str, default: int) -> int | None:
     value = os.environ.get(name, "").strip() or str(default)
     if not value.isdigit():
@@ -89,6 +86,9 @@ def _bytes_setting(name: str, default: int) -> int | None:
     return int(value) or None
 
 
+# From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
+# Allreduce, Reduce and Reduce_scatter_block are 1.3-3x slower than that on one node from ~128 KiB
+# (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
 PAIRWISE_SUM_BYTES = _bytes_setting("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)
 _PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: clear of distdl's other tags
 
@@ -177,4 +177,4 @@ def _tail(x: torch.Tensor, y: torch.Tensor | None, p: int, collective) -> None:
     n = x.numel()
     if n % p:
         collective(buffer(x.view(-1)[n - n % p:], summed=True),
-               None if y is None else buffer(y.view(-1)[n - n % p:], summed=True))
+                   None if y is None else buffer(y.view(-1)[n - n % p:], summed=True))
