@@ -55,9 +55,13 @@ def reduction_dtype(where: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Return ``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one)."""
+    """Return ``t`` as a contiguous tensor of ``dtype`` whose memory holds its values (no copy when it
+    already is one). A lazily conjugated or negated view (``x.conj()``, ``x.conj().imag``) is
+    materialised: its memory holds the values before the conjugation, and MPI sees only memory."""
     if dtype is not None and dtype != t.dtype:  # a no-op ``t.to(dtype)`` still costs ~1 us
         t = t.to(dtype)
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     return t.contiguous()
 
 

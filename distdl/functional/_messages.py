@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from distdl.backends import mpi as transport
 from distdl.functional._common import _DTYPES, HEADER_LENGTH, header_of
 
 INLINE_BYTES = 1024
@@ -48,12 +49,12 @@ def encode_message(where: str, x: torch.Tensor):
     template, nbytes = found
     message = template.copy()
     if nbytes:
+        x = transport.contiguous(x)
         if x.is_cpu:  # numpy views of both memories: ~1 us, against ~6 us through torch
-            x = x if x.is_contiguous() else x.contiguous()
             data = np.frombuffer(MPI.buffer.fromaddress(x.data_ptr(), nbytes), dtype=np.uint8)
             message.view(np.uint8)[HEADER_BYTES:HEADER_BYTES + nbytes] = data
         else:
-            data = x.detach().contiguous().view(-1).view(torch.uint8)
+            data = x.detach().view(-1).view(torch.uint8)
             torch.from_numpy(message).view(torch.uint8)[HEADER_BYTES:HEADER_BYTES + data.numel()].copy_(data)
     return message
 
