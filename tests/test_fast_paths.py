@@ -3,7 +3,8 @@
 Every primitive is run on both sides of the inline limit (``INLINE_BYTES``), with the header-only
 round forced (``INLINE_GROUP = 1``), in plans where a worker is in two groups (non-blocking), and
 for the dtypes whose bytes travel inline; results are compared exactly with local references. The
-large-message sums are run on both sides of ``PAIRWISE_SUM_BYTES``, with it lowered to small sizes.
+large-message sums are run on both sides of ``PAIRWISE_SUM_BYTES``, with it lowered to small sizes,
+and repartition with overlaps large enough to move in place (``STRIDED_BYTES``).
 """
 
 import pytest
@@ -201,15 +202,30 @@ def test_broadcast_root_output_is_copy_on_write(P_world, comm):
         assert y.const_data_ptr() != x_strided.const_data_ptr()
 
 
-def test_pairwise_sum_setting_is_checked():
+@pytest.mark.parametrize("name", ["PAIRWISE_SUM", "STRIDED"])
+def test_byte_settings_are_checked(name):
     import os
     import subprocess
     import sys
-    code = "import distdl.backends.mpi as m; print(m.PAIRWISE_SUM_BYTES)"
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DISTDL_PAIRWISE_SUM_BYTES": "0"},
+    variable, code = f"DISTDL_{name}_BYTES", f"import distdl.backends.mpi as m; print(m.{name}_BYTES)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, variable: "0"},
                          capture_output=True, text=True, check=True).stdout
     assert out.strip() == "None"  # off
-    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DISTDL_PAIRWISE_SUM_BYTES": "1e5"},
+    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, variable: "1e5"},
                          capture_output=True, text=True)
-    assert bad.returncode != 0 and "DISTDL_PAIRWISE_SUM_BYTES: expected a number of bytes (0 for never), got '1e5'" \
-        in bad.stderr
+    assert bad.returncode != 0 and f"{variable}: expected a number of bytes (0 for never), got '1e5'" in bad.stderr
+
+
+@sizes(2, 3)
+def test_large_strided_repartition(P_world, comm):
+    """Overlaps of at least STRIDED_BYTES that are not contiguous move in place, both ways: rows to
+    columns sends them (forward) and receives them (adjoint); random rank-varying data."""
+    p = comm.size
+    P_rows = P_world.create_cartesian_topology_partition([p, 1, 1])
+    P_cols = P_world.create_cartesian_topology_partition([1, 1, p])
+    shape = (p, 2, transport.STRIDED_BYTES * p // 16 + 5)  # float64: each overlap (1, 2, >= limit / 16)
+    x_global = random_tensor(shape, seed=7)
+    y = repartition(scatter(x_global, P_rows), P_rows, P_cols)
+    assert torch.equal(y, scatter(x_global, P_cols))
+    x = scatter(random_tensor(shape, seed=comm.rank), P_rows)
+    assert_adjoint(lambda t: repartition(t, P_rows, P_cols), x, comm, adjoint_of_adjoint=False)

@@ -1,10 +1,15 @@
-"""Repartition: forward exact against scatter, adjoint tests, inactive workers, shapes, dtypes and errors."""
+"""Repartition: forward exact against scatter, adjoint tests, inactive workers, shapes, dtypes and errors.
+
+The forward and adjoint tests run twice: as they are, and with every non-contiguous overlap moved in
+place through an MPI datatype (``STRIDED_BYTES`` lowered to 1 byte; by default only large ones are).
+"""
 
 import gc
 
 import pytest
 import torch
 from distdl import MPIPartition
+from distdl.backends import mpi as transport
 from distdl.functional import _messages as messages
 from distdl.functional.repartition import repartition
 from distdl.nn.repartition import Repartition
@@ -58,8 +63,15 @@ def _expected(y_global, P_y, x, preserve_batch=True):
     return zero_volume_tensor(x.shape[0] if preserve_batch else None, dtype=x.dtype)
 
 
+@pytest.fixture(params=["packed", "in place"])
+def strided(request, monkeypatch):
+    if request.param == "in place":
+        monkeypatch.setattr(transport, "STRIDED_BYTES", 1)
+    return request.param
+
+
 @sizes(1, 2, 3, 4)
-def test_forward_matches_scatter(P_world, comm):
+def test_forward_matches_scatter(P_world, comm, strided):
     for P_x, P_y, global_shape in _cases(P_world, comm.size):
         x_global = random_tensor(global_shape, seed=sum(global_shape))
         x = scatter(x_global, P_x, preserve_batch=True)
@@ -74,7 +86,7 @@ def test_forward_matches_scatter(P_world, comm):
 
 
 @sizes(1, 2, 3, 4)
-def test_adjoint(P_world, comm):
+def test_adjoint(P_world, comm, strided):
     for P_x, P_y, global_shape in _cases(P_world, comm.size):
         x = scatter(random_tensor(global_shape, seed=100 + comm.rank), P_x, preserve_batch=True)  # rank-varying
         assert_adjoint(lambda t: repartition(t, P_x, P_y), x, comm, seed=comm.size)

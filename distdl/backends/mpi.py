@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 
-__all__ = ["buffer", "reduction_dtype", "copy", "empty", "contiguous", "allreduce_sum", "reduce_sum", "reduce_scatter_sum",
-           "PAIRWISE_SUM_BYTES"]
+__all__ = ["buffer", "strided", "reduction_dtype", "copy", "empty", "contiguous", "allreduce_sum", "reduce_sum",
+           "reduce_scatter_sum", "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
 
 _SUM_TYPES = {
     torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
@@ -44,6 +44,29 @@ def buffer(t: torch.Tensor, summed: bool = False, read_only: bool = False) -> li
     if summed:
         return [memory, t.numel(), _SUM_TYPES[t.dtype]]
     return [memory, nbytes, MPI.BYTE]
+
+
+def strided(t: torch.Tensor, datatypes: list) -> list | None:
+    """Return the mpi4py buffer specification of non-contiguous ``t`` where its elements lie, or None where
+    it moves faster through a contiguous copy: below ``STRIDED_BYTES``, off the CPU, or a lazy view.
+
+    MPI then reads or writes the elements in place (through a datatype of nested strides), which
+    saves a copy of a large slice. The datatype is appended to ``datatypes``: free it once MPI is done.
+    """
+    if STRIDED_BYTES is None or t.nbytes < STRIDED_BYTES or not t.is_cpu or t.is_conj() or t.is_neg():
+        return None
+    itemsize, dims = t.element_size(), [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
+    run = 1  # elements in the innermost contiguous run
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    nested = [MPI.BYTE.Create_contiguous(run * itemsize)]
+    for n, s in reversed(dims):
+        nested.append(nested[-1].Create_hvector(n, 1, s * itemsize))
+    datatypes.append(nested.pop().Commit())
+    for inner in nested:  # the committed type keeps what it needs
+        inner.Free()
+    span = (sum((n - 1) * s for n, s in dims) + run) * itemsize
+    return [MPI.buffer.fromaddress(t.data_ptr(), span), 1, datatypes[-1]]
 
 
 def reduction_dtype(where: str, dtype: torch.dtype) -> torch.dtype:
@@ -94,6 +117,10 @@ def _bytes_setting(name: str, default: int) -> int | None:
 # Allreduce, Reduce and Reduce_scatter_block are 1.3-3x slower than that on one node from ~128 KiB
 # (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
 PAIRWISE_SUM_BYTES = _bytes_setting("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)
+# From this many bytes, a non-contiguous CPU slice moves in place (see strided). Against packing it
+# first, repartition took 0.66-0.87x the time with 2-8 MiB slices, but was even at 1 MiB and up to
+# 1.1x slower below (benchmarks/README.md). 0 turns it off.
+STRIDED_BYTES = _bytes_setting("DISTDL_STRIDED_BYTES", 2 << 20)
 _PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: clear of distdl's other tags
 
 

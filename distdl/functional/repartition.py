@@ -185,7 +185,7 @@ def _exchange(x, plan, pair, messages):
     y = (zero_volume_like(x, pair.preserve_batch) if plan.y_shape is None
          else transport.empty(plan.y_shape, plan.dtype, x.device))
     carried = messages is not None and messages.shape[1] == MESSAGE_LENGTH  # small blocks rode in the messages
-    comm, requests, buffers, staged = pair.comm, [], [], []
+    comm, requests, buffers, staged, datatypes = pair.comm, [], [], [], []
     gathered = carried and plan.gather is not None and y.is_cpu
     if gathered and y.numel():  # every piece of y is in the messages: one NumPy gather (~1 us per torch op saved)
         unit, index = plan.gather
@@ -195,18 +195,27 @@ def _exchange(x, plan, pair, messages):
         if carried and rides:  # that block came with the headers
             y[slices] = payloads(messages[peer:peer + 1], plan.dtype, shape)[0][their_slices]
             continue
-        view = y[slices]  # straight into y where the overlap is contiguous there
-        buffers.append(view if view.is_contiguous() else transport.empty(view.shape, plan.dtype, x.device))
-        if buffers[-1] is not view:
-            staged.append((view, buffers[-1]))
-        requests.append(comm.Irecv(transport.buffer(buffers[-1]), source=peer, tag=_TAG))
+        view = y[slices]  # straight into y where the overlap is contiguous there, or large
+        spec = None if view.is_contiguous() else transport.strided(view, datatypes)
+        if spec is None:
+            buffers.append(view if view.is_contiguous() else transport.empty(view.shape, plan.dtype, x.device))
+            if buffers[-1] is not view:
+                staged.append((view, buffers[-1]))
+            spec = transport.buffer(buffers[-1])
+        requests.append(comm.Irecv(spec, source=peer, tag=_TAG))
     for peer, slices in () if carried and plan.x_rides else plan.sends:
-        buffers.append(transport.contiguous(x[slices]))
-        requests.append(comm.Isend(transport.buffer(buffers[-1]), dest=peer, tag=_TAG))
+        view = x[slices]
+        spec = None if view.is_contiguous() else transport.strided(view, datatypes)
+        if spec is None:
+            buffers.append(transport.contiguous(view))
+            spec = transport.buffer(buffers[-1])
+        requests.append(comm.Isend(spec, dest=peer, tag=_TAG))
     for x_slices, y_slices in () if gathered else plan.copies:
         y[y_slices] = x[x_slices]
     if requests:
         MPI.Request.Waitall(requests)
+    for datatype in datatypes:
+        datatype.Free()
     for view, buffer in staged:
         view.copy_(buffer)
     return y
