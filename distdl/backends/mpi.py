@@ -118,8 +118,8 @@ def _bytes_setting(name: str, default: int) -> int | None:
 # (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
 PAIRWISE_SUM_BYTES = _bytes_setting("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)
 # From this many bytes, a non-contiguous CPU slice moves in place (see strided). Against packing it
-# first, repartition took 0.66-0.87x the time with 2-8 MiB slices, but was even at 1 MiB and up to
-# 1.1x slower below (benchmarks/README.md). 0 turns it off.
+# first, repartition took 0.65-0.85x the time with 2-8 MiB slices and 0.83-0.99x with 16 MiB ones,
+# but 0.79-1.08x with 1 MiB ones and up to 1.08x below (benchmarks/README.md). 0 turns it off.
 STRIDED_BYTES = _bytes_setting("DISTDL_STRIDED_BYTES", 2 << 20)
 _PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: clear of distdl's other tags
 

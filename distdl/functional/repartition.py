@@ -14,7 +14,8 @@ in neither         passes and gets a zero-volume tensor, without communicating
 
 Each call, the workers of both partitions allgather a header (dtype, shape) of every x block, so
 receive-only workers learn the global shape and a call with a new shape works everywhere; the
-overlaps then move as non-blocking messages over the union of the partitions, one per pair. In
+overlaps then move as non-blocking messages over the union of the partitions, one per pair (a
+large overlap that is not contiguous straight from and into the blocks, see ``transport.strided``). In
 unions of up to 8 workers, blocks of up to 1 KiB travel with the headers (one collective). The
 backward already knows the global structure from its forward: it runs no header round, and a
 collective only where some blocks ride in one.
