@@ -47,13 +47,14 @@ def buffer(t: torch.Tensor, summed: bool = False, read_only: bool = False) -> li
 
 
 def strided(t: torch.Tensor, datatypes: list) -> list | None:
-    """Return the mpi4py buffer specification of non-contiguous ``t`` where its elements lie, or None where
-    it moves faster through a contiguous copy: below ``STRIDED_BYTES``, off the CPU, or a lazy view.
+    """Return the mpi4py buffer specification of ``t`` where its elements lie, or None where ``t`` is
+    contiguous or moves faster through a contiguous copy: below ``STRIDED_BYTES``, off the CPU, or a lazy view.
 
     MPI then reads or writes the elements in place (through a datatype of nested strides), which
     saves a copy of a large slice. The datatype is appended to ``datatypes``: free it once MPI is done.
     """
-    if STRIDED_BYTES is None or t.nbytes < STRIDED_BYTES or not t.is_cpu or t.is_conj() or t.is_neg():
+    if (STRIDED_BYTES is None or t.nbytes < STRIDED_BYTES or t.is_contiguous() or not t.is_cpu or t.is_conj()
+            or t.is_neg()):
         return None
     itemsize, dims = t.element_size(), [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
     run = 1  # elements in the innermost contiguous run

@@ -197,7 +197,7 @@ def _exchange(x, plan, pair, messages):
             y[slices] = payloads(messages[peer:peer + 1], plan.dtype, shape)[0][their_slices]
             continue
         view = y[slices]  # straight into y where the overlap is contiguous there, or large
-        spec = None if view.is_contiguous() else transport.strided(view, datatypes)
+        spec = transport.strided(view, datatypes)
         if spec is None:
             buffers.append(view if view.is_contiguous() else transport.empty(view.shape, plan.dtype, x.device))
             if buffers[-1] is not view:
@@ -206,7 +206,7 @@ def _exchange(x, plan, pair, messages):
         requests.append(comm.Irecv(spec, source=peer, tag=_TAG))
     for peer, slices in () if carried and plan.x_rides else plan.sends:
         view = x[slices]
-        spec = None if view.is_contiguous() else transport.strided(view, datatypes)
+        spec = transport.strided(view, datatypes)
         if spec is None:
             buffers.append(transport.contiguous(view))
             spec = transport.buffer(buffers[-1])
