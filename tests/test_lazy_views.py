@@ -1,8 +1,10 @@
 """Inputs whose memory does not hold their values: lazily conjugated (``x.conj()``) and negated
-views. MPI sees memory only, so the primitives must send the values.
+views, and autograd's efficient zero tensors (no memory at all: the gradient of ``torch.sgn``, also
+as a parameter's ``.grad``). MPI sees memory only, so the primitives must send the values.
 
-Each primitive takes such views, inline (inside the header round) and not, and is compared with
-the sequential result on random rank-varying data.
+Each primitive takes such tensors, inline (inside the header round) and not, and is compared with
+the sequential result on random rank-varying data; the primitives, a windowed layer and the
+gradient synchronisation also take zero tensors as they come from autograd.
 """
 
 import pytest
@@ -14,6 +16,9 @@ from distdl.functional.broadcast import broadcast
 from distdl.functional.reduce_scatter import reduce_scatter
 from distdl.functional.repartition import repartition
 from distdl.functional.sum_reduce import sum_reduce
+from distdl.nn.batchnorm import DistributedBatchNorm
+from distdl.nn.conv_feature import DistributedFeatureConv1d
+from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
 
@@ -22,9 +27,15 @@ def _complex(shape, seed):
     return torch.complex(random_tensor(shape, seed), random_tensor(shape, seed + 1000))
 
 
-# A conjugate view, and a contiguous negative view (``x.conj().imag`` is one too, but strided, so that
-# making it contiguous already resolves it).
-VIEWS = {"conj": lambda t: t.conj(), "neg": lambda t: torch._neg_view(t.real.contiguous())}
+# A conjugate view, a contiguous negative view (``x.conj().imag`` is one too, but strided, so that
+# making it contiguous already resolves it), and a zero tensor of the same shape (autograd makes them
+# as gradients; its data pointer is null).
+VIEWS = {"conj": lambda t: t.conj(), "neg": lambda t: torch._neg_view(t.real.contiguous()),
+         "zeros": lambda t: torch._efficientzerotensor(t.shape, dtype=t.dtype)}
+
+
+def _lazy(t):
+    return t.is_conj() or t.is_neg() or t._is_zerotensor()
 
 
 def _sums(P_world, comm, lazy, xs):
@@ -57,11 +68,65 @@ def _moves(P_world, comm, lazy, xs):
 @sizes(1, 2, 3)
 def test_primitives_send_the_values_of_lazy_views(P_world, comm, primitives, view, rows):
     xs = [_complex((rows, 3), seed=10 * s + rows) for s in range(comm.size)]
-    assert VIEWS[view](xs[0]).is_conj() or VIEWS[view](xs[0]).is_neg()
+    assert _lazy(VIEWS[view](xs[0]))
     results = list(primitives(P_world, comm, VIEWS[view], xs))  # every collective before any assertion
     for i, (y, expected, exact) in enumerate(results):
-        assert not (y.is_conj() or y.is_neg())
+        assert not _lazy(y)
         if exact:
             assert torch.equal(y, expected), (i, comm.rank)
         else:
             torch.testing.assert_close(y, expected, msg=lambda m: f"{i} on rank {comm.rank}: {m}")
+
+
+def _through_sgn(P_world, comm, rows):
+    """Yield (name, gradient of x) through each primitive, a windowed layer and batch norm followed by
+    ``torch.sgn``, whose gradient autograd passes back as a zero tensor."""
+    P_root = P_world.create_partition_inclusive([comm.size - 1])
+    P_rows = P_world.create_cartesian_topology_partition([comm.size, 1])
+    P_cols = P_world.create_cartesian_topology_partition([1, comm.size])
+    P_line = P_world.create_cartesian_topology_partition([1, 1, comm.size])
+    conv = DistributedFeatureConv1d(P_line, 2, 3, 3, padding=1, dtype=torch.float64)
+    norm = DistributedBatchNorm(P_line, 2, dtype=torch.float64)
+    whole = random_tensor((rows, 3), seed=rows + comm.rank)
+    cases = {"all_sum_reduce": (whole, lambda x: all_sum_reduce(x, P_world, [0])),
+             "broadcast": (whole if P_root.active else torch.zeros(0, 0, dtype=whole.dtype),
+                           lambda x: broadcast(x, P_root, P_world, preserve_batch=False)),
+             "sum_reduce": (whole, lambda x: sum_reduce(x, P_world, P_root, preserve_batch=False)),
+             "all_gather": (scatter(whole, P_rows), lambda x: all_gather(x, P_rows, [0])),
+             "reduce_scatter": (whole, lambda x: reduce_scatter(x, P_rows, [0])),
+             "repartition": (scatter(whole, P_rows), lambda x: repartition(x, P_rows, P_cols)),
+             "conv": (scatter(random_tensor((2, 2, rows), seed=comm.rank), P_line), conv),
+             "batch norm": (scatter(random_tensor((2, 2, rows), seed=comm.rank), P_line), norm)}
+    for name, (x, op) in cases.items():
+        x = x.clone().requires_grad_()
+        torch.sgn(op(x)).sum().backward()
+        yield name, x.grad
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+@sizes(1, 2, 3)
+def test_zero_gradients_from_autograd(P_world, comm, rows):
+    grads = list(_through_sgn(P_world, comm, rows))  # every collective before any assertion
+    for name, grad in grads:
+        assert grad is not None and torch.equal(grad, torch.zeros(grad.shape, dtype=grad.dtype)), (name, comm.rank)
+
+
+@pytest.mark.parametrize("overlapped", [False, True], ids=["all_reduce_gradients", "DataParallel"])
+@sizes(1, 2, 3)
+def test_zero_parameter_gradients_are_synchronised(P_world, comm, overlapped):
+    """A parameter used only through ``torch.sgn`` on some workers gets a zero tensor as ``.grad`` there; the
+    synchronised gradient is the sum over the workers that used it directly."""
+    torch.manual_seed(0)
+    module = torch.nn.Linear(3, 2, dtype=torch.float64)
+    model = DataParallel(module, P_world, op="sum") if overlapped else module
+    x = random_tensor((4, 3), seed=comm.rank)
+    signs = comm.rank % 2 == 1  # odd workers use the weight only through its sign
+    weight = torch.sgn(module.weight) if signs else module.weight
+    torch.nn.functional.linear(x, weight, module.bias).sum().backward()  # DataParallel synchronises here
+    if not overlapped:
+        assert module.weight.grad._is_zerotensor() == signs
+        all_reduce_gradients(module, P_world, op="sum")
+    rows = [random_tensor((4, 3), seed=r) for r in range(comm.size)]
+    expected = sum(r.sum(0) for i, r in enumerate(rows) if i % 2 == 0).expand(2, 3)
+    torch.testing.assert_close(module.weight.grad, expected)
+    torch.testing.assert_close(module.bias.grad, torch.full((2,), 4.0 * comm.size, dtype=torch.float64))

@@ -48,13 +48,13 @@ def buffer(t: torch.Tensor, summed: bool = False, read_only: bool = False) -> li
 
 def strided(t: torch.Tensor, datatypes: list) -> list | None:
     """Return the mpi4py buffer specification of ``t`` where its elements lie, or None where ``t`` is
-    contiguous or moves faster through a contiguous copy: below ``STRIDED_BYTES``, off the CPU, or a lazy view.
+    contiguous or moves faster through a contiguous copy: below ``STRIDED_BYTES``, off the CPU, or lazy (see
+    :func:`contiguous`).
 
     MPI then reads or writes the elements in place (through a datatype of nested strides), which
     saves a copy of a large slice. The datatype is appended to ``datatypes``: free it once MPI is done.
     """
-    if (STRIDED_BYTES is None or t.nbytes < STRIDED_BYTES or t.is_contiguous() or not t.is_cpu or t.is_conj()
-            or t.is_neg()):
+    if STRIDED_BYTES is None or t.nbytes < STRIDED_BYTES or t.is_contiguous() or not t.is_cpu or _lazy(t):
         return None
     itemsize, dims = t.element_size(), [(n, s) for n, s in zip(t.shape, t.stride()) if n != 1]
     run = 1  # elements in the innermost contiguous run
@@ -78,14 +78,21 @@ def reduction_dtype(where: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def _lazy(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory does not hold its values: a lazily conjugated or negated view (``x.conj()``,
+    ``x.conj().imag``: its memory holds the values before the conjugation), or autograd's efficient zero
+    tensor (no memory at all: the gradient of ``torch.sgn``, also as a parameter's ``.grad``)."""
+    return t.is_conj() or t.is_neg() or t._is_zerotensor()
+
+
 def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Return ``t`` as a contiguous tensor of ``dtype`` whose memory holds its values (no copy when it
-    already is one). A lazily conjugated or negated view (``x.conj()``, ``x.conj().imag``) is
-    materialised: its memory holds the values before the conjugation, and MPI sees only memory."""
+    already is one); a lazy tensor (see :func:`_lazy`) is materialised, since MPI sees only memory."""
     if dtype is not None and dtype != t.dtype:  # a no-op ``t.to(dtype)`` still costs ~1 us
         t = t.to(dtype)
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
+    if _lazy(t):
+        t = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) if t._is_zerotensor()
+             else t.resolve_conj().resolve_neg())
     return t.contiguous()
 
 

@@ -179,7 +179,7 @@ class _Bucket:
             for p, segment, count in zip(self.params, self._segments(), counts):
                 if count == 0:
                     continue  # no member had a gradient: it stays None
-                if p.grad is None:
+                if p.grad is None or p.grad._is_zerotensor():  # autograd's zero tensors cannot be written
                     p.grad = torch.empty_like(p, dtype=_grad_dtype(p), requires_grad=False)
                 p.grad.copy_(segment if divisor == 1 else segment.div_(divisor))
 
