@@ -25,7 +25,8 @@ CASES = {
         ((1, 1, 1, 2), (1, 2, 6, 8), 2, dict(kernel_size=3, stride=2, padding=1))],
     3: [((1, 1, 3), (2, 2, 5), 3, dict(kernel_size=5, padding=2)),  # blocks of 2, 2, 1 with a halo of 2
         ((1, 1, 1, 3), (1, 2, 3, 8), 2, dict(kernel_size=3, stride=(1, 3), padding=1)),
-        ((1, 1, 1, 3, 1), (1, 2, 3, 4, 3), 2, dict(kernel_size=2, padding="same"))],
+        ((1, 1, 1, 3, 1), (1, 2, 3, 4, 3), 2, dict(kernel_size=2, padding="same")),
+        ((1, 1, 3), (1, 2, 4), 2, dict(kernel_size=1, stride=2, padding=1))],  # worker 0's output reads zeros only
     4: [((1, 1, 2, 2), (2, 3, 5, 6), 2, dict(kernel_size=3, stride=2, padding=1)),
         ((1, 1, 4), (1, 2, 5), 2, dict(kernel_size=5, padding=2)),  # 5 pixels over 4 workers, kernel 5
         ((1, 1, 4), (1, 2, 9), 2, dict(kernel_size=3, stride=4)),  # 2 outputs over 4 workers: empty blocks

@@ -13,6 +13,7 @@ CASES = {
     1: [((1, 1, 1, 1), (2, 2, 6, 5), dict(kernel_size=3, stride=2, padding=1), dict(dilation=(1, 2)),
          dict(count_include_pad=False))],
     2: [((1, 1, 2, 1), (1, 2, 7, 5), dict(kernel_size=2), {}, {}),
+        ((1, 1, 2, 1), (1, 2, 5, 1), dict(kernel_size=2, stride=2, ceil_mode=True), {}, {}),  # 1 column, kernel 2
         ((2, 1, 1), (3, 2, 9), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), dict(dilation=2),
          dict(count_include_pad=False)),
         ((1, 2, 1), (1, 3, 7), dict(kernel_size=3), {}, {})],

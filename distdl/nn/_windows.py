@@ -128,6 +128,8 @@ def fetch(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channe
                 # torch pads p on both sides: the left zeros exactly, and on the right as many as the window has
                 # there, or more where the surplus (less than a stride) adds no output; else what both sides have
                 p = 0 if padded_stride is None else left if left - right < padded_stride[k] else right
+                if a + p >= b - min(p, right):  # the outputs read only zeros: torch takes no empty input, so
+                    p = 0  # the zeros stay in the window
                 window.append((a + p, b - min(p, right)))
                 padding.append(p)
             windows.append(tuple(window))
@@ -161,13 +163,11 @@ def connect(y: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
 def sliding_length(n: int, kernel: int, stride: int, left: int, right: int, dilation: int,
                    ceil_mode: bool = False) -> int:
     """Return torch's output length of a sliding window (convolution, pooling)."""
-    span = n + left + right - dilation * (kernel - 1) - 1
-    if span < 0:
-        return 0
+    span = n + left + right - dilation * (kernel - 1) - 1  # negative: the first window reaches past the end
     length = -(-span // stride) + 1 if ceil_mode else span // stride + 1
     if ceil_mode and (length - 1) * stride >= n + left:  # the last window must start inside the input
         length -= 1
-    return length
+    return max(length, 0)
 
 
 def sliding_source(o0: int, o1: int, kernel: int, stride: int, left: int, dilation: int) -> tuple[int, int]:
