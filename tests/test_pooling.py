@@ -20,7 +20,9 @@ CASES = {
     3: [((1, 1, 3), (1, 2, 5), dict(kernel_size=5, stride=1, padding=2), {}, dict(count_include_pad=False)),
         ((1, 1, 1, 3), (1, 2, 4, 8), dict(kernel_size=(2, 3), stride=2, padding=1, ceil_mode=True), {},
          dict(divisor_override=4)),
-        ((1, 1, 1, 3, 1), (1, 1, 3, 5, 4), dict(kernel_size=2), {}, {})],
+        ((1, 1, 1, 3, 1), (1, 1, 3, 5, 4), dict(kernel_size=2), {}, {}),
+        # worker 0's window is 2 wide for a kernel 3 wide: avg_pool3d refuses it unless padded first
+        ((1, 1, 1, 1, 3), (1, 2, 3, 3, 5), dict(kernel_size=3, padding=1), {}, dict(count_include_pad=False))],
     4: [((1, 1, 2, 2), (2, 2, 7, 6), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), dict(dilation=2),
          dict(count_include_pad=False)),
         ((1, 1, 4), (1, 2, 5), dict(kernel_size=5, stride=1, padding=2), {}, {}),  # 5 pixels, 4 workers, kernel 5

@@ -148,9 +148,13 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         if self.dims == 1:  # a sum pooling: torch's average with divisor 1
             sums = F.avg_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride,
                                 (0,) + plan.padding, False, True, 1).squeeze(-2)
-        else:
-            sums = (F.avg_pool2d if self.dims == 2 else F.avg_pool3d)(window, self.kernel_size, self.stride,
-                                                                     plan.padding, False, True, 1)
+        elif self.dims == 2:
+            sums = F.avg_pool2d(window, self.kernel_size, self.stride, plan.padding, False, True, 1)
+        else:  # torch's avg_pool3d refuses an input smaller than the kernel even where the padding makes up for it
+            padding = plan.padding
+            if any(n < k for n, k in zip(window.shape[2:], self.kernel_size)):
+                window, padding = F.pad(window, [p for side in reversed(padding) for p in (side, side)]), (0, 0, 0)
+            sums = F.avg_pool3d(window, self.kernel_size, self.stride, padding, False, True, 1)
         divisor = self.divisor_override or torch.from_numpy(
             self.P_x._memo(("avg divisor", self.kernel_size, self.stride, self.padding, self.ceil_mode,
                             self.count_include_pad, plan.x_shape), lambda: self._divisor(plan))
