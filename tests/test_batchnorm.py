@@ -190,3 +190,35 @@ def test_errors(P_world, comm):
     if comm.size == 1:
         with pytest.raises(ValueError, match="expected more than 1 value per channel when training, got 1"):
             layer(torch.ones(1, 3, 1))
+        # batch statistics in eval mode too where there are no running ones, as torch
+        untracked = DistributedBatchNorm(P_x, 3, track_running_stats=False).eval()
+        with pytest.raises(ValueError, match="expected more than 1 value per channel when training, got 1"):
+            untracked(torch.ones(1, 3, 1))
+
+
+@sizes(1, 2, 3)
+def test_empty_global_batch_in_training(P_world, comm):
+    """As torch: an empty output, the batch counted, the running statistics left as they were."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    layer, ref = _pair(P_x, (2, 3, 4))
+    x = torch.zeros(0, 3, 4, dtype=torch.float64, requires_grad=True)
+    y, y_ref = layer(x), ref(x)
+    y.sum().backward()
+    assert y.shape == y_ref.shape == (0, 3, 4)
+    assert layer.num_batches_tracked.item() == ref.num_batches_tracked.item() == 1
+    torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(layer.running_var, ref.running_var, rtol=0, atol=0)
+    torch.testing.assert_close(layer.weight.grad, torch.zeros(3, dtype=torch.float64), rtol=0, atol=0)
+
+
+@sizes(1, 2, 3)
+def test_means_far_above_the_spread(P_world, comm):
+    """Moments merged about the global mean keep float64's precision where the mean is 1e6 times the spread,
+    also where it moves between calls (merged about zero, or about the previous mean, 2e-4 was lost)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    layer, ref = _pair(P_x, (5, 3, 4))
+    per_channel = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64).view(1, 3, 1)
+    for step, offset in enumerate((1e3, 1e6, -1e5)):
+        x = random_tensor((5, 3, 4), seed=step) + offset * per_channel
+        assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=step, rtol=1e-8, atol=1e-8)
+        torch.testing.assert_close(layer.running_var, ref.running_var, rtol=1e-8, atol=1e-8)

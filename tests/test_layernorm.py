@@ -146,3 +146,11 @@ def test_errors(P_world, comm):
         layer(torch.ones(2, 3, 6))
     with pytest.raises(TypeError, match="DistributedLayerNorm: expected a floating-point tensor, got torch.int64"):
         layer(torch.ones(2, 3, local, dtype=torch.int64))
+
+
+@sizes(1, 2, 3)
+def test_means_far_above_the_spread(P_world, comm):
+    """A mean 1e6 times the spread keeps float64's precision (merged about zero, 2e-4 was lost)."""
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    layer, ref = _pair(P_x, (7,))
+    assert_sequential_equivalence(layer, ref, random_tensor((2, 3, 7), seed=1) + 1e6, P_x, P_x, rtol=1e-8, atol=1e-8)

@@ -1,13 +1,14 @@
 """DistributedBatchNorm: batch normalisation with statistics over the whole partitioned batch.
 
 Forward ``y = (x - mean) / sqrt(var + eps) * weight + bias`` per channel, ``mean`` and ``var`` over
-every non-channel dimension of the global tensor, from ONE all-sum-reduce of the packed local
-moments. The backward is written out: with ``xhat = (x - mean) / sqrt(var + eps)`` and ``N`` the
-global count per channel, ``dx = weight / sqrt(var + eps) * (dy - sum(dy) / N - xhat * sum(dy * xhat) / N)``,
-the per-channel sums global, from ONE all-sum-reduce of both; they are also the gradients of ``bias``
-and ``weight``, so every worker gets the parameters' total gradients. With running statistics (eval
-mode) the statistics are constants, ``dx = weight / sqrt(running_var + eps) * dy``, and the sums are
-reduced only when the parameters need gradients. Each pass over the block is one fused torch kernel.
+every non-channel dimension of the global tensor, from the local moments merged about the global
+mean (two small all-sum-reduces, see ``_merge_moments``). The backward is written out: with
+``xhat = (x - mean) / sqrt(var + eps)`` and ``N`` the global count per channel,
+``dx = weight / sqrt(var + eps) * (dy - sum(dy) / N - xhat * sum(dy * xhat) / N)``, the per-channel
+sums global, from ONE all-sum-reduce of both; they are also the gradients of ``bias`` and ``weight``,
+so every worker gets the parameters' total gradients. With running statistics (eval mode) the
+statistics are constants, ``dx = weight / sqrt(running_var + eps) * dy``, and the sums are reduced
+only when the parameters need gradients. Each pass over the block is one fused torch kernel.
 
 ============================  =====================================================================
 worker                        does
@@ -34,39 +35,44 @@ from distdl.partition import MPIPartition
 __all__ = ["DistributedBatchNorm", "global_moments"]
 
 
-def global_moments(x: torch.Tensor, dims: tuple[int, ...], P_x: MPIPartition, axes: tuple[int, ...],
-                   shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def global_moments(x: torch.Tensor, dims: tuple[int, ...], P_x: MPIPartition,
+                   axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return the mean, biased variance (float64, keepdim over ``dims``) and count over the global tensor.
 
     Each worker computes its local mean and centred sum of squares (two-pass, stable), then
-    :func:`_merge_moments`; differentiable (the all-sum-reduce is the true adjoint).
+    :func:`_merge_moments`; differentiable (the all-sum-reduces are the true adjoints).
     """
     compute = torch.promote_types(x.dtype, torch.float32)
     x = x.to(compute)
     n = math.prod(x.shape[d] for d in dims)
     local_mean = x.sum(dims, keepdim=True) / max(n, 1)
     m2 = (x - local_mean).square().sum(dims, keepdim=True)
-    return _merge_moments(n, local_mean, m2, P_x, axes, shift)
+    return _merge_moments(n, local_mean, m2, P_x, axes)
 
 
-def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIPartition, axes: tuple[int, ...],
-                  shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIPartition,
+                   axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return the global mean, biased variance (float64, shaped as ``local_mean``) and count.
 
-    From each worker's count ``n``, mean and centred sum of squares ``m2``: they are shifted by
-    ``shift`` (a reference every member agrees on, ideally near the mean: BatchNorm uses the
-    previous call's global mean, which no user state can make differ between workers) and packed as
-    ``[count, n (m - shift), M2 + n (m - shift)^2]`` in float64 for one all-sum-reduce along ``axes``;
-    the merge cancels only ``(mean - shift)^2`` in float64.
+    From each worker's count ``n``, mean ``m`` and centred sum of squares ``M2``. A first all-sum-reduce
+    of ``[n, n m]`` gives the global mean ``s`` (a constant for autograd). The second sums
+    ``[n, n (m - s), M2 + n (m - s)^2]`` in float64; the merge then cancels only ``(mean - s)^2``, which is
+    rounding-small, so a mean far above the spread (``x + 1e6``) keeps float64's precision. Merged about
+    zero, or about the previous call's mean, about two digits were lost per tenfold of mean over spread
+    (2e-4 at 1e6); the extra call cost the CNN step of benchmarks/bench_layers.py 1.003-1.017x.
     """
-    delta = local_mean.double() - (0 if shift is None else shift)
+    with torch.no_grad():
+        local = local_mean.detach().double()
+        first = all_sum_reduce(torch.cat([local.new_full((1,), n), (n * local).flatten()]), P_x, axes_reduce=axes)
+        shift = torch.nan_to_num((first[1:] / first[0]).view(local.shape), 0.0, 0.0, 0.0)  # no data: 0
+    delta = local_mean.double() - shift
     packed = torch.cat([delta.new_full((1,), n), (n * delta).flatten(),
                         torch.addcmul(m2.double(), delta, delta, value=n).flatten()])
     total = all_sum_reduce(packed, P_x, axes_reduce=axes)
     count = total[0]
     mean_shifted, square = (total[1:] / count).view((2,) + delta.shape).unbind()
     var = (square - mean_shifted.square()).clamp_min(0)
-    return mean_shifted + (0 if shift is None else shift), var, count.detach()
+    return mean_shifted + shift, var, count.detach()
 
 
 def _affine(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -164,7 +170,6 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         self.P_x, self.num_features, self.eps, self.momentum = P_x, num_features, eps, momentum
         self.affine, self.track_running_stats, self.collect_state = affine, track_running_stats, collect_state
         self.axes = tuple(range(P_x.dim))
-        self._shift: torch.Tensor | None = None  # reference for the moments' merge; see _merge_moments
         fibre(P_x, self.axes)  # the communicator is built here, once
         factory = {"device": device, "dtype": dtype}
         if affine:
@@ -202,16 +207,16 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
         if self.training or not self.track_running_stats:
             with torch.no_grad():
-                shift = None if self._shift is None else self._shift.to(x.device)
                 n, local_mean, m2 = _channel_moments(x.to(torch.promote_types(x.dtype, torch.float32)))
-                mean, var, count = _merge_moments(n, local_mean, m2, self.P_x, self.axes, shift)
-            self._shift = torch.nan_to_num(mean, 0.0, 0.0, 0.0)  # the same on every member
+                mean, var, count = _merge_moments(n, local_mean, m2, self.P_x, self.axes)
             count = float(count)
-            if self.training and count <= 1:
-                raise ValueError(f"{name}: expected more than 1 value per channel when training, got "
-                                 f"{int(count)} over P_x")
+            if count == 1:  # torch's rule wherever batch statistics are used; an empty batch passes
+                raise ValueError(f"{name}: expected more than 1 value per channel when training, got 1 over P_x")
             if self.training and self.track_running_stats:
-                self._update_running_stats(mean, var, count)
+                if count:
+                    self._update_running_stats(mean, var, count)
+                else:  # torch counts an empty batch and leaves the statistics
+                    self.num_batches_tracked.add_(1)
         else:
             mean, var, count = self.running_mean, self.running_var, None
         return _BatchNorm.apply(in_graph(x), self.weight, self.bias, mean, var, count, self.eps, self.P_x, self.axes)

@@ -1,9 +1,9 @@
 """DistributedLayerNorm: layer normalisation over trailing dimensions split across the partition.
 
 Forward ``y = (x - mean) / sqrt(var + eps) * weight + bias``, ``mean`` and ``var`` over the global
-trailing ``normalized_shape`` from one all-sum-reduce of the packed local moments along the
-partition axes of those dimensions (true adjoint, so the input gradient is exact). Each worker
-holds its balanced block of ``weight``/``bias`` along the normalised dimensions, replicated over
+trailing ``normalized_shape`` from the local moments merged about the global mean (two small
+all-sum-reduces along the partition axes of those dimensions; true adjoints, so the input gradient is
+exact). Each worker holds its balanced block of ``weight``/``bias`` along the normalised dimensions, replicated over
 the other axes, where it enters through ``all_sum_reduce_backward`` (gradients are the totals).
 
 ============================  =====================================================================
