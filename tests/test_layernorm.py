@@ -1,5 +1,6 @@
 """DistributedLayerNorm: forward, input and parameter gradients equal torch's, with split normalised dims."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,11 @@ def test_matches_torch(P_world, comm):
         P_x = P_world.create_cartesian_topology_partition(P_shape)
         layer, ref = _pair(P_x, normalized_shape)
         _check(P_x, layer, ref, x_shape)
+    P_shape, x_shape, normalized_shape = CASES[comm.size][0]
+    P_x = P_world.create_cartesian_topology_partition(P_shape)
+    layer, ref = _pair(P_x, tuple(np.int64(n) for n in normalized_shape))  # NumPy extents, which torch takes
+    assert layer.normalized_shape == normalized_shape
+    _check(P_x, layer, ref, x_shape, calls=1)
 
 
 @sizes(1, 2, 3, 4)

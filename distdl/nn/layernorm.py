@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from distdl.functional._common import check_idle_input, check_partition, check_tensor
@@ -48,10 +49,12 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         super().__init__()
         name = type(self).__name__
         check_partition(name, "P_x", P_x)
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        if not 0 < len(shape) <= P_x.dim or any(not isinstance(n, int) or n < 0 for n in shape):
+        integer = (int, np.integer)  # torch takes NumPy integers too
+        shape = (normalized_shape,) if isinstance(normalized_shape, integer) else tuple(normalized_shape)
+        if not 0 < len(shape) <= P_x.dim or any(not isinstance(n, integer) or n < 0 for n in shape):
             raise ValueError(f"{name}: expected a normalized_shape of 1 to {P_x.dim} non-negative extents for P_x "
                              f"of shape {P_x.shape}, got {normalized_shape!r}")
+        shape = tuple(int(n) for n in shape)
         self.P_x, self.normalized_shape, self.eps = P_x, shape, eps
         self.elementwise_affine, self.collect_state = elementwise_affine, collect_state
         self.axes = tuple(range(P_x.dim - len(shape), P_x.dim))  # the partition axes of the normalised dims
