@@ -6,7 +6,7 @@ or size and mode), a small global input, and a partition of a random subset of t
 order, over batch and space (and channels for pooling). The output and the input gradient for a random
 cotangent are compared with torch's on the global tensor. Where torch rejects the arguments, every worker
 of the partition must raise too. The hand-picked cases live in test_conv_feature.py, test_pooling.py and
-test_upsampling.py; these found four geometries they missed.
+test_upsampling.py; these found three geometries they missed.
 """
 
 import numpy as np

@@ -55,8 +55,8 @@ def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIP
     """Return the global mean, biased variance (float64, shaped as ``local_mean``) and count.
 
     From each worker's count ``n``, mean ``m`` and centred sum of squares ``M2``. A first all-sum-reduce
-    of ``[n, n m]`` gives the global mean ``s`` (a constant for autograd). The second sums
-    ``[n, n (m - s), M2 + n (m - s)^2]`` in float64; the merge then cancels only ``(mean - s)^2``, which is
+    of ``[n, n m]`` gives the count and the global mean ``s`` (constants for autograd). The second sums
+    ``[n (m - s), M2 + n (m - s)^2]`` in float64; the merge then cancels only ``(mean - s)^2``, which is
     rounding-small, so a mean far above the spread (``x + 1e6``) keeps float64's precision. Merged about
     zero, or about the previous call's mean, about two digits were lost per tenfold of mean over spread
     (2e-4 at 1e6); the extra call cost the CNN step of benchmarks/bench_layers.py 1.003-1.017x.
@@ -64,15 +64,14 @@ def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIP
     with torch.no_grad():
         local = local_mean.detach().double()
         first = all_sum_reduce(torch.cat([local.new_full((1,), n), (n * local).flatten()]), P_x, axes_reduce=axes)
-        shift = torch.nan_to_num((first[1:] / first[0]).view(local.shape), 0.0, 0.0, 0.0)  # no data: 0
+        count = first[0]
+        shift = torch.nan_to_num((first[1:] / count).view(local.shape), 0.0, 0.0, 0.0)  # no data: 0
     delta = local_mean.double() - shift
-    packed = torch.cat([delta.new_full((1,), n), (n * delta).flatten(),
-                        torch.addcmul(m2.double(), delta, delta, value=n).flatten()])
-    total = all_sum_reduce(packed, P_x, axes_reduce=axes)
-    count = total[0]
-    mean_shifted, square = (total[1:] / count).view((2,) + delta.shape).unbind()
+    moments = torch.cat([(n * delta).flatten(), torch.addcmul(m2.double(), delta, delta, value=n).flatten()])
+    total = all_sum_reduce(moments, P_x, axes_reduce=axes)
+    mean_shifted, square = (total / count).view((2,) + delta.shape).unbind()
     var = (square - mean_shifted.square()).clamp_min(0)
-    return mean_shifted + shift, var, count.detach()
+    return mean_shifted + shift, var, count
 
 
 def _affine(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
