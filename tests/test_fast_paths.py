@@ -169,6 +169,48 @@ def test_pairwise_sums(P_world, comm, threshold, monkeypatch):
     assert_adjoint(lambda t: reduce_scatter(t, P_world, [0]), x[:n - n % comm.size], comm)
 
 
+@sizes(1, 2, 3, 4)
+def test_crowded_is_agreed_and_kept_on_the_communicator(comm):
+    """Every member gets the same answer: whether some node holds more of the job's ranks than the CPUs its
+    members of ``comm`` may run on; it is kept on the communicator and goes with it."""
+    import os
+
+    from mpi4py import MPI
+    dup = comm.Dup()
+    assert dup.Get_attr(transport._CROWDED) is None
+    crowded = transport.crowded(dup)
+    assert len(set(comm.allgather(crowded))) == 1
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    cpus = set().union(*node.allgather(os.sched_getaffinity(0)))
+    ranks = max([node.size] + [int(os.environ.get(v, 0)) for v in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")])
+    node.Free()
+    assert crowded == (comm.size > 1 and any(comm.allgather(ranks > len(cpus))))
+    if comm.size > 1:
+        assert dup.Get_attr(transport._CROWDED) is crowded
+    assert transport.crowded(dup) is crowded
+    dup.Free()
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+@sizes(2, 3, 4)
+def test_blocking_and_non_blocking_waits(P_world, comm, crowded, monkeypatch):
+    """The sums and broadcasts give the same results whether their communicators count as crowded
+    (non-blocking MPI calls) or not (blocking ones), on either side of the inline and pairwise limits."""
+    monkeypatch.setattr(transport, "crowded", lambda comm: crowded)
+    monkeypatch.setattr(transport, "PAIRWISE_SUM_BYTES", 64)
+    P_root = P_world.create_partition_inclusive([comm.size - 1])
+    for n in (3, 2 * LIMIT + 1):  # inline and not; past the pairwise limit with a tail
+        xs = [random_tensor((n,), seed=10 * n + r) for r in range(comm.size)]
+        x = xs[-1] if P_root.active else torch.zeros(0, dtype=torch.float64)
+        assert torch.equal(broadcast(x, P_root, P_world, preserve_batch=False), xs[-1])
+        torch.testing.assert_close(all_sum_reduce(xs[comm.rank], P_world, [0]), sum(xs), rtol=1e-13, atol=1e-13)
+        total = sum_reduce(xs[comm.rank], P_world, P_root, preserve_batch=False)
+        if P_root.active:
+            torch.testing.assert_close(total, sum(xs), rtol=1e-13, atol=1e-13)
+        assert_adjoint(lambda t: broadcast(t, P_root, P_world), x, comm)
+        assert_adjoint(lambda t: all_sum_reduce(t, P_world, [0]), xs[comm.rank], comm)
+
+
 @sizes(1, 2, 3)
 def test_broadcast_root_output_is_copy_on_write(P_world, comm):
     """The root keeps x as its output without copying it; a write to either, by torch or by MPI through the

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 from distdl.backends import cuda
 
-__all__ = ["buffer", "strided", "reduction_dtype", "copy", "empty", "contiguous", "allreduce_sum", "reduce_sum",
-           "reduce_scatter_sum", "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
+__all__ = ["buffer", "strided", "reduction_dtype", "copy", "empty", "contiguous", "crowded", "bcast", "allreduce_sum",
+           "reduce_sum", "reduce_scatter_sum", "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
 
 _SUM_TYPES = {
     torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
@@ -132,6 +133,60 @@ STRIDED_BYTES = _bytes_setting("DISTDL_STRIDED_BYTES", 2 << 20)
 _PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: clear of distdl's other tags
 
 
+# MPICH's blocking Bcast, Reduce and Allreduce among the ranks of one node (its shared-memory
+# "release-gather" algorithms) wait by spinning. With a CPU per rank they are the fastest: Bcast took
+# 0.75-0.8x Ibcast's time at 16-64 MiB on 2 ranks. With more ranks than CPUs, a waiting rank spins
+# through its time slice while the rank it waits for cannot run: on 4 ranks over 2 CPUs, Allreduce took
+# 8 ms at 8 B and 64 ms at 64 KiB, Bcast 1 s at 4 MiB, against 4, 4 and 5 ms for the non-blocking calls
+# (benchmarks/README.md). So these three run non-blocking on a crowded communicator.
+_CROWDED = MPI.Comm.Create_keyval()
+_LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")  # ranks on this node: Hydra, Open MPI
+
+
+def crowded(comm: MPI.Intracomm) -> bool:
+    """Whether some member of ``comm`` shares its node with more ranks than the CPUs it may run on.
+
+    Collective over ``comm`` on the first call: make it only where every member is about to take part
+    in a collective on ``comm``. The answer is kept on the communicator (an MPI attribute, freed with it).
+    """
+    if comm.size == 1:
+        return False
+    value = comm.Get_attr(_CROWDED)
+    if value is None:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        cpus = set().union(*node.allgather(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                           else range(os.cpu_count() or 1)))
+        ranks = max([node.size] + [int(v) for v in map(os.environ.get, _LOCAL_SIZE_VARIABLES) if v and v.isdigit()])
+        node.Free()
+        flag = np.array(ranks > len(cpus), dtype=np.int8)
+        comm.Iallreduce(MPI.IN_PLACE, flag, op=MPI.MAX).Wait()  # blocking would spin where it is crowded
+        value = bool(flag)
+        comm.Set_attr(_CROWDED, value)
+    return value
+
+
+def bcast(comm: MPI.Intracomm, buf, root: int = 0) -> None:
+    """``comm.Bcast``, non-blocking where ``comm`` is :func:`crowded`."""
+    if crowded(comm):
+        comm.Ibcast(buf, root=root).Wait()
+    else:
+        comm.Bcast(buf, root=root)
+
+
+def _allreduce(comm: MPI.Intracomm, send, recv) -> None:
+    if crowded(comm):
+        comm.Iallreduce(send, recv, op=MPI.SUM).Wait()
+    else:
+        comm.Allreduce(send, recv, op=MPI.SUM)
+
+
+def _reduce(comm: MPI.Intracomm, send, recv) -> None:
+    if crowded(comm):
+        comm.Ireduce(send, recv, op=MPI.SUM, root=0).Wait()
+    else:
+        comm.Reduce(send, recv, op=MPI.SUM, root=0)
+
+
 def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
     """Write the sum over ``comm`` of ``x`` into ``y`` (both contiguous, of one summable dtype and shape).
 
@@ -141,13 +196,13 @@ def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None
     """
     rows = _rows(comm, x)
     if rows is None:
-        comm.Allreduce(buffer(x, summed=True), buffer(y, summed=True), op=MPI.SUM)
+        _allreduce(comm, buffer(x, summed=True), buffer(y, summed=True))
         return
     r, p = comm.rank, comm.size
     y_rows = _rows(comm, y)
     _reduce_scatter_rows(comm, rows, y_rows[r], y_rows[(r + 1) % p])  # row r + 1 is free until the allgather
     comm.Allgather(MPI.IN_PLACE, [buffer(y_rows)[0], y_rows[r].nbytes, MPI.BYTE])
-    _tail(x, y, p, lambda x_tail, y_tail: comm.Allreduce(x_tail, y_tail, op=MPI.SUM))
+    _tail(x, y, p, lambda x_tail, y_tail: _allreduce(comm, x_tail, y_tail))
 
 
 def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
@@ -157,8 +212,7 @@ def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | No
     root = comm.rank == 0
     rows = _rows(comm, y if x is None else x)
     if rows is None:
-        comm.Reduce(MPI.IN_PLACE if x is None else buffer(x, summed=True), buffer(y, summed=True) if root else None,
-                    op=MPI.SUM, root=0)
+        _reduce(comm, MPI.IN_PLACE if x is None else buffer(x, summed=True), buffer(y, summed=True) if root else None)
         return
     if x is None:
         x = torch.zeros_like(y)
@@ -173,7 +227,7 @@ def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | No
     _reduce_scatter_rows(comm, rows, row, scratch)
     comm.Gather(MPI.IN_PLACE if root else buffer(row), [buffer(y_rows)[0], row.nbytes, MPI.BYTE] if root else None,
                 root=0)
-    _tail(x, y, p, lambda x_tail, y_tail: comm.Reduce(x_tail, y_tail if root else None, op=MPI.SUM, root=0))
+    _tail(x, y, p, lambda x_tail, y_tail: _reduce(comm, x_tail, y_tail if root else None))
 
 
 def reduce_scatter_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:

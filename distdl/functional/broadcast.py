@@ -128,7 +128,8 @@ def blocking_allowed(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: b
 
     MPI never matches a blocking collective with a non-blocking one, so the choice is made for the
     whole plan from the groups every worker computes alike (without communicating). Blocking
-    calls save ~1 us each over non-blocking ones at small sizes. SumReduce's groups are the same.
+    calls save ~1 us each over non-blocking ones at small sizes, and MPICH's blocking Bcast is
+    faster at large ones unless the node is crowded (``transport.bcast``). SumReduce's groups are the same.
     """
     counts: dict[int, int] = {}
     for members, _ in _broadcast_groups("broadcast", P_src, P_dest, transpose_src, transpose_dest):
@@ -161,9 +162,9 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
     message = empty_message() if recv_header else None
     if blocking:  # this worker is in one group only (see blocking_allowed)
         if send_header:
-            P_send.comm.Bcast(outgoing, root=0)
+            transport.bcast(P_send.comm, outgoing)
         elif recv_header:
-            P_recv.comm.Bcast(message, root=0)
+            transport.bcast(P_recv.comm, message)
     elif send_header or recv_header:
         requests = [P_send.comm.Ibcast(outgoing, root=0)] if send_header else []
         if recv_header:
@@ -173,18 +174,21 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
         dtype, shape = decode(message) if recv_header else incoming
         small = inline(dtype, shape)
         y = inline_payload(message, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
-    # Data round for larger blocks, straight from and into tensor memory. A worker that feeds itself
-    # returns a copy-on-write copy of x: it copies nothing unless x or the output is written later.
-    requests = []
+    # Data round for larger blocks, straight from and into tensor memory, blocking where the plan allows
+    # (see blocking_allowed). A worker that feeds itself returns a copy-on-write copy of x: it copies
+    # nothing unless x or the copy is written later.
+    data = []
     if sending and not inline(x.dtype, x.shape):
         x_send = transport.contiguous(x)  # keep a reference until the wait
-        requests.append(P_send.comm.Ibcast(transport.buffer(x_send, read_only=True), root=0))
+        data.append((P_send.comm, transport.buffer(x_send, read_only=True)))
     if receiving and not small:
-        requests.append(P_recv.comm.Ibcast(transport.buffer(y), root=0))
-    y = transport.copy(x) if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
-    if requests:
-        MPI.Request.Waitall(requests)
-    return y
+        data.append((P_recv.comm, transport.buffer(y)))
+    if blocking:  # at most one
+        for comm, buf in data:
+            transport.bcast(comm, buf)
+    elif data:
+        MPI.Request.Waitall([comm.Ibcast(buf, root=0) for comm, buf in data])
+    return transport.copy(x) if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
 
 
 class _Broadcast(torch.autograd.Function):

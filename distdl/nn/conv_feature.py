@@ -110,7 +110,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
             for t in (self.weight, self.bias):
                 if t is not None:
                     host = t.detach().cpu().contiguous()
-                    self.P_x.comm.Bcast(transport.buffer(host), root=0)
+                    transport.bcast(self.P_x.comm, transport.buffer(host))
                     t.copy_(host)
 
     def _length(self, k: int, n: int) -> int:

@@ -259,6 +259,6 @@ def _communicator(P: MPIPartition) -> MPI.Comm:
 def _broadcast(t: torch.Tensor, comm: MPI.Comm) -> None:
     """Overwrite ``t`` with its value on rank 0 of ``comm``."""
     data = transport.contiguous(t)
-    comm.Bcast(transport.buffer(data), root=0)
+    transport.bcast(comm, transport.buffer(data))
     if data.data_ptr() != t.data_ptr():
         t.copy_(data)
