@@ -78,9 +78,8 @@ def test_primitives_send_the_values_of_lazy_views(P_world, comm, primitives, vie
             torch.testing.assert_close(y, expected, msg=lambda m: f"{i} on rank {comm.rank}: {m}")
 
 
-def _through_sgn(P_world, comm, rows):
-    """Yield (name, gradient of x) through each primitive, a windowed layer and batch norm followed by
-    ``torch.sgn``, whose gradient autograd passes back as a zero tensor."""
+def _cases(P_world, comm, rows):
+    """Return {name: (input, op)} for each primitive, a windowed layer and batch norm."""
     P_root = P_world.create_partition_inclusive([comm.size - 1])
     P_rows = P_world.create_cartesian_topology_partition([comm.size, 1])
     P_cols = P_world.create_cartesian_topology_partition([1, comm.size])
@@ -97,7 +96,13 @@ def _through_sgn(P_world, comm, rows):
              "repartition": (scatter(whole, P_rows), lambda x: repartition(x, P_rows, P_cols)),
              "conv": (scatter(random_tensor((2, 2, rows), seed=comm.rank), P_line), conv),
              "batch norm": (scatter(random_tensor((2, 2, rows), seed=comm.rank), P_line), norm)}
-    for name, (x, op) in cases.items():
+    return cases
+
+
+def _through_sgn(P_world, comm, rows):
+    """Yield (name, gradient of x) through each case followed by ``torch.sgn``, whose gradient autograd
+    passes back as a zero tensor."""
+    for name, (x, op) in _cases(P_world, comm, rows).items():
         x = x.clone().requires_grad_()
         torch.sgn(op(x)).sum().backward()
         yield name, x.grad
@@ -130,3 +135,32 @@ def test_zero_parameter_gradients_are_synchronised(P_world, comm, overlapped):
     expected = sum(r.sum(0) for i, r in enumerate(rows) if i % 2 == 0).expand(2, 3)
     torch.testing.assert_close(module.weight.grad, expected)
     torch.testing.assert_close(module.bias.grad, torch.full((2,), 4.0 * comm.size, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+@sizes(1, 2, 3)
+def test_sparse_cotangents(P_world, comm, rows):
+    """A sparse cotangent (what ``F.embedding(..., sparse=True)`` on an output passes back) gives each primitive
+    the gradient its dense values give; it used to stop every worker with torch's "unsupported memory format"."""
+    results = []
+    for name, (x, op) in _cases(P_world, comm, rows).items():
+        if name in ("conv", "batch norm"):  # torch's own kernels take no sparse cotangent, as for its layers
+            continue
+        grads = []
+        for sparse in (False, True):
+            x = x.detach().requires_grad_()
+            y = op(x)
+            g = random_tensor(y.shape, seed=100 + comm.rank)
+            y.backward(g.to_sparse() if sparse else g)
+            grads.append(x.grad)
+        results.append((name, *grads))
+    for name, dense, sparse in results:
+        assert torch.equal(sparse.to_dense(), dense), (name, comm.rank, sparse, dense)
+
+
+@sizes(1, 2, 3)
+def test_sparse_inputs_are_refused(P_world, comm):
+    """Every primitive and layer refuses a sparse input on every worker before communicating."""
+    for name, (x, op) in _cases(P_world, comm, 2).items():
+        with pytest.raises(TypeError, match="dense"):
+            op(x.to_sparse())

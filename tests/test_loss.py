@@ -101,6 +101,26 @@ def test_cross_entropy_matches_torch(P_world, comm):
         _check(P_x, distributed, sequential, x, probabilities, comm)
 
 
+@sizes(1, 2, 3)
+def test_cross_entropy_with_nothing_counted(P_world, comm):
+    """A mean over targets that all weigh 0 or are all ignored is torch's 0 / 0: nan, with the gradients torch
+    gives (nan, or 0 where every target is ignored), also where label smoothing adds to the sum (it was inf)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((5, 4), seed=7)
+    t = torch.tensor([1, 2, 1, -100, 2])
+    weight = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)  # the targets' classes weigh 0
+    for kwargs, target in (({"weight": weight, "label_smoothing": 0.1}, t), ({"weight": weight}, t),
+                           ({"label_smoothing": 0.1}, torch.full((5,), -100)), ({}, torch.full((5,), -100))):
+        x_ref = x.clone().requires_grad_()
+        expected = torch.nn.CrossEntropyLoss(**kwargs)(x_ref, target)
+        expected.backward()
+        x_local = scatter(x, P_x).requires_grad_()
+        loss = losses.DistributedCrossEntropyLoss(P_x, **kwargs)(x_local, scatter(target.unsqueeze(1), P_x).squeeze(1))
+        loss.backward()
+        assert expected.isnan() and loss.isnan(), (kwargs, loss, comm.rank)
+        torch.testing.assert_close(x_local.grad, scatter(x_ref.grad, P_x), equal_nan=True)
+
+
 @sizes(1, 2, 3, 4)
 def test_inactive_workers_and_float32(P_world, comm):
     P_x = P_world.create_partition_inclusive([comm.size - 1]).create_cartesian_topology_partition((1, 1))

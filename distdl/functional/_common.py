@@ -13,6 +13,9 @@ from distdl.utilities.torch import zero_volume_tensor
 def check_tensor(where: str, x: object) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{where}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:
+        raise TypeError(f"{where}: expected a dense (strided) tensor, got layout {x.layout}; densify it with "
+                        ".to_dense()")
 
 
 def check_partition(where: str, name: str, P: object) -> None:

@@ -78,8 +78,10 @@ class _DistributedLoss(torch.nn.Module):
         batch = torch.tensor(float(input.shape[0] if at_batch_start else 0), dtype=torch.float64, device=input.device)
         packed = torch.stack([losses.sum(dtype=torch.float64), count.reshape(()), batch])
         total = all_sum_reduce_forward(packed, self.P_x, axes_reduce=self.axes)
-        denominator = {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
-        return (total[0] / denominator).to(losses.dtype)
+        loss = total[0] / {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
+        if self.reduction == "mean":  # nothing counted: torch's 0 / 0 = nan, also where label smoothing added to
+            loss = loss + torch.where(total[1] == 0, float("nan"), 0.0)  # the sum (inf); a constant: same gradients
+        return loss.to(losses.dtype)
 
 
 class DistributedMSELoss(_DistributedLoss):
