@@ -168,26 +168,17 @@ def crowded(comm: MPI.Intracomm) -> bool:
     return value
 
 
+def _either(comm: MPI.Intracomm, blocking, non_blocking, *args, **kwargs) -> None:
+    """Call the collective ``blocking``, or ``non_blocking`` and wait, where ``comm`` is :func:`crowded`."""
+    if crowded(comm):
+        non_blocking(*args, **kwargs).Wait()
+    else:
+        blocking(*args, **kwargs)
+
+
 def bcast(comm: MPI.Intracomm, buf, root: int = 0) -> None:
     """``comm.Bcast``, non-blocking where ``comm`` is :func:`crowded`."""
-    if crowded(comm):
-        comm.Ibcast(buf, root=root).Wait()
-    else:
-        comm.Bcast(buf, root=root)
-
-
-def _allreduce(comm: MPI.Intracomm, send, recv) -> None:
-    if crowded(comm):
-        comm.Iallreduce(send, recv, op=MPI.SUM).Wait()
-    else:
-        comm.Allreduce(send, recv, op=MPI.SUM)
-
-
-def _reduce(comm: MPI.Intracomm, send, recv) -> None:
-    if crowded(comm):
-        comm.Ireduce(send, recv, op=MPI.SUM, root=0).Wait()
-    else:
-        comm.Reduce(send, recv, op=MPI.SUM, root=0)
+    _either(comm, comm.Bcast, comm.Ibcast, buf, root=root)
 
 
 def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -199,13 +190,13 @@ def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None
     """
     rows = _rows(comm, x)
     if rows is None:
-        _allreduce(comm, buffer(x, summed=True), buffer(y, summed=True))
+        _either(comm, comm.Allreduce, comm.Iallreduce, buffer(x, summed=True), buffer(y, summed=True), op=MPI.SUM)
         return
     r, p = comm.rank, comm.size
     y_rows = _rows(comm, y)
     _reduce_scatter_rows(comm, rows, y_rows[r], y_rows[(r + 1) % p])  # row r + 1 is free until the allgather
     comm.Allgather(MPI.IN_PLACE, [buffer(y_rows)[0], y_rows[r].nbytes, MPI.BYTE])
-    _tail(x, y, p, lambda x_tail, y_tail: _allreduce(comm, x_tail, y_tail))
+    _tail(x, y, p, lambda x_tail, y_tail: _either(comm, comm.Allreduce, comm.Iallreduce, x_tail, y_tail, op=MPI.SUM))
 
 
 def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
@@ -215,7 +206,8 @@ def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | No
     root = comm.rank == 0
     rows = _rows(comm, y if x is None else x)
     if rows is None:
-        _reduce(comm, MPI.IN_PLACE if x is None else buffer(x, summed=True), buffer(y, summed=True) if root else None)
+        _either(comm, comm.Reduce, comm.Ireduce, MPI.IN_PLACE if x is None else buffer(x, summed=True),
+                buffer(y, summed=True) if root else None, op=MPI.SUM, root=0)
         return
     if x is None:
         x = torch.zeros_like(y)
@@ -230,7 +222,8 @@ def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | No
     _reduce_scatter_rows(comm, rows, row, scratch)
     comm.Gather(MPI.IN_PLACE if root else buffer(row), [buffer(y_rows)[0], row.nbytes, MPI.BYTE] if root else None,
                 root=0)
-    _tail(x, y, p, lambda x_tail, y_tail: _reduce(comm, x_tail, y_tail if root else None))
+    _tail(x, y, p, lambda x_tail, y_tail: _either(comm, comm.Reduce, comm.Ireduce, x_tail, y_tail if root else None,
+                                                   op=MPI.SUM, root=0))
 
 
 def reduce_scatter_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
