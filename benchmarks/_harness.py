@@ -66,6 +66,18 @@ def retain_freed_memory() -> None:
 # -- timing ---------------------------------------------------------------------------------------
 
 
+# Each round runs the variants in a fresh random order, the same on every rank (the variants are
+# collective, and every rank draws from one seed in step). A call runs faster right after one that
+# warmed the same code and memory, so an order that only rotates favours whichever variant follows a
+# similar one (README.md, "Why random").
+_TURNS = np.random.default_rng(20261122)
+
+
+def turns(n: int) -> list[int]:
+    """Return the order of one round of ``n`` variants: a random permutation, the same on every rank."""
+    return [int(i) for i in _TURNS.permutation(n)]
+
+
 def interleaved(comm: MPI.Comm, variants: dict[str, Callable[[], object]], rounds: int, batch_s: float = 0.004,
                 budget_s: float = 4.0, setup: dict[str, Callable[[], None]] | None = None,
                 min_rounds: int = 3) -> dict[str, list[float]]:
@@ -91,10 +103,9 @@ def interleaved(comm: MPI.Comm, variants: dict[str, Callable[[], object]], round
     per_round = sum(reps[n] * estimate[n] for n in names)
     rounds = int(max(min_rounds, min(rounds, budget_s // max(per_round, 1e-9))))
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
+    for _ in range(rounds):
         local = np.empty(len(names))
-        for k in range(len(names)):
-            i = (k + r) % len(names)  # rotate the order so no variant always follows the same one
+        for i in turns(len(names)):
             name = names[i]
             setup.get(name, lambda: None)()
             fn, n = variants[name], reps[name]

@@ -170,8 +170,8 @@ def main() -> None:
         memory[name] = comm.gather((peak_rss(), peak_rss() - before))
     times = {name: [] for name in variants}
     names = list(variants)
-    for r in range(args.steps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+    for _ in range(args.steps):
+        for name in (names[i] for i in h.turns(len(names))):
             comm.Barrier()
             start = time.perf_counter()
             variants[name]()

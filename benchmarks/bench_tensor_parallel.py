@@ -14,7 +14,7 @@ around a ring with non-blocking point-to-point messages and each is multiplied a
 For each, forward and forward+backward (``y.backward(g)`` into fresh gradients) are timed, plus the
 same block's local GEMMs without any communication ("compute only": the floor a perfect overlap could
 reach). The variants take turns within every round (``_harness.interleaved``: a barrier, then the slowest
-rank's time; the order rotates each round). Before timing, each block checks once that the overlapped and
+rank's time; a fresh random order each round). Before timing, each block checks once that the overlapped and
 plain outputs and gradients agree (``torch.allclose``). At the end a probe times, at the largest size, one
 ring step's messages alone, the same messages' ``Waitall`` after a GEMM run between posting and waiting
 (did the transfer progress under the GEMM?), and the plain path's ``all_gather``/``reduce_scatter``.
@@ -205,7 +205,8 @@ def report(args, comm: MPI.Comm, info: dict, load_start: float, rows, checks, ex
         "*fwd+bwd* a forward and `y.backward(g)` into fresh gradients. "
         "*Compute only* runs the same block's local GEMMs (same shapes, no communication): the floor a perfect "
         "overlap could reach. Times are medians over interleaved rounds (the variants take turns each round, "
-        "order rotated; each sample starts at a barrier and is the slowest rank's time); *overlapped / plain* "
+        "in a fresh random order; each sample starts at a barrier and is the slowest rank's time); "
+        "*overlapped / plain* "
         "is the median over rounds of the ratio within a round (below 1: the overlapped layer is faster), "
         "*its quartiles* the 25th and 75th percentiles of those per-round ratios.", "",
         "Checked once before timing, on every rank:", ""] + [f"- {c}" for c in checks] + ["", *table, "",
