@@ -206,9 +206,8 @@ def report(args, comm: MPI.Comm, info: dict, load_start: float, rows, checks, ex
         "*Compute only* runs the same block's local GEMMs (same shapes, no communication): the floor a perfect "
         "overlap could reach. Times are medians over interleaved rounds (the variants take turns each round, "
         "in a fresh random order; each sample starts at a barrier and is the slowest rank's time); "
-        "*overlapped / plain* "
-        "is the median over rounds of the ratio within a round (below 1: the overlapped layer is faster), "
-        "*its quartiles* the 25th and 75th percentiles of those per-round ratios.", "",
+        "*overlapped / plain* is the median over rounds of the ratio within a round (below 1: the overlapped "
+        "layer is faster), *its quartiles* the 25th and 75th percentiles of those per-round ratios.", "",
         "Checked once before timing, on every rank:", ""] + [f"- {c}" for c in checks] + ["", *table, "",
         "## Reading it", "",
         f"Overlapped / plain ranges from {min(ratios):.2f} to {max(ratios):.2f} (median "
