@@ -1,21 +1,26 @@
 """Time a data-parallel training step: DataParallel's overlapped reductions vs backward, then all_reduce_gradients.
 
 Run: ``mpiexec -n 2 .venv/bin/python benchmarks/bench_data_parallel.py [--width 1024 --layers 6 --batch 32]``.
-The variants run interleaved (one step of each in turn), each step timed from a barrier to the
-slowest worker's end; the report gives medians and writes ``benchmarks/results/data_parallel.md``.
+The variants take turns, one step each per round in a fresh random order (``_harness.turns``), each step
+timed from a barrier to the slowest worker's end; the report gives medians, and the overlap's ratio as the
+median over rounds of the per-round ratio, and writes ``benchmarks/results/data_parallel.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 
-import torch
-from mpi4py import MPI
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as h  # noqa: E402  (first: it chooses the MPI thread level)
 
-from distdl import MPIPartition
-from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
+import torch  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from distdl import MPIPartition  # noqa: E402
+from distdl.nn import data_parallel  # noqa: E402
+from distdl.nn.data_parallel import DataParallel, all_reduce_gradients  # noqa: E402
 
 
 def mlp(width: int, layers: int) -> torch.nn.Module:
@@ -41,9 +46,11 @@ def main() -> None:
         variants[f"backward, then all_reduce_gradients (cap {cap:g} MB)"] = (mlp(args.width, args.layers), cap)
         variants[f"DataParallel, overlapped (cap {cap:g} MB)"] = (DataParallel(mlp(args.width, args.layers), P,
                                                                                bucket_cap_mb=cap), cap)
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(args.reps + 3):  # the first 3 rounds warm up
-        for name, (model, cap) in variants.items():
+        for name in (names[i] for i in h.turns(len(names))):
+            model, cap = variants[name]
             model.zero_grad(set_to_none=True)
             comm.Barrier()
             start = MPI.Wtime()
@@ -57,23 +64,27 @@ def main() -> None:
     if comm.rank != 0:
         return
     megabytes = sum(p.numel() * p.element_size() for p in variants["backward only (no reduction)"][0].parameters())
-    medians = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    medians = {name: h.median(t) * 1e3 for name, t in times.items()}
     lines = [f"Data-parallel training step (forward + backward + gradient reduction), {comm.size} ranks, "
              f"MLP {args.layers} x Linear({args.width}, {args.width}) = {megabytes / 2 ** 20:.1f} MB of float32 "
-             f"parameters, local batch {args.batch}, median of {args.reps} interleaved steps.", "",
+             f"parameters, local batch {args.batch}; {args.reps} rounds, one step of each variant per round in a "
+             "fresh random order. Medians over rounds; the ratio is the median of the per-round ratios. "
+             f"Gradients of {data_parallel.IN_PLACE_BYTES >> 10} KiB or more are reduced in place, each on its own "
+             "(`IN_PLACE_BYTES`): the cap only groups the smaller ones.", "",
              "| variant | median step (ms) | vs. backward then all_reduce_gradients |", "| --- | ---: | ---: |"]
     for name, median in medians.items():
         ratio = ""
         if name.startswith("DataParallel"):
             cap = name[name.index("(cap"):]
-            ratio = f"{median / medians[f'backward, then all_reduce_gradients {cap}']:.2f}"
+            ratio = f"{h.paired_ratio(times[name], times[f'backward, then all_reduce_gradients {cap}']):.2f}"
         lines.append(f"| {name} | {median:.1f} | {ratio} |")
-    lines += ["", f"Machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end of the run "
-              "(shared). A ratio below 1 means overlap paid off. With MPI's shared-memory transport a "
-              "non-blocking reduction advances only while a rank is inside an MPI call, and with one core "
-              "per rank there is no spare core to run it during backward: expect little gain here; the "
-              "overlap is meant for networks with offloaded progress (or MPICH's MPIR_CVAR_ASYNC_PROGRESS=1 "
-              "with spare cores)."]
+    run = h.machine()
+    lines += ["", f"Machine: {run['cores']} cores, load average {run['load']} at the end of the run (shared); "
+              f"{run['date']}, thread level {run['thread level']}, allocator: {run['allocator']}. A ratio below 1 "
+              "means overlap paid off. With MPI's shared-memory transport a non-blocking reduction advances only "
+              "while a rank is inside an MPI call, and with one core per rank there is no spare core to run it "
+              "during backward: expect little gain here; the overlap is meant for networks with offloaded progress "
+              "(or MPICH's MPIR_CVAR_ASYNC_PROGRESS=1 with spare cores)."]
     report = "\n".join(lines)
     print(report)
     results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

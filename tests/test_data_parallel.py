@@ -1,15 +1,27 @@
-"""Data-parallel gradient synchronisation: full-batch equivalence, fibres, buckets, hooks, errors."""
+"""Data-parallel gradient synchronisation: full-batch equivalence, fibres, buckets, hooks, errors.
+
+Every test runs twice: with the default ``IN_PLACE_BYTES`` (these small gradients go through flat buckets)
+and with it at 0 (every gradient is reduced on its own, in place where its layout allows).
+"""
 
 import numpy as np
 import pytest
 import torch
 
+from distdl.nn import data_parallel
 from distdl.nn.all_sum_reduce import AllSumReduce
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.testing import random_tensor
 from helpers import sizes
 
 TINY_CAP = 1e-5  # megabytes: every parameter gets its own bucket
+
+
+@pytest.fixture(autouse=True, params=["bucketed", "in place"])
+def in_place(request, monkeypatch):
+    if request.param == "in place":
+        monkeypatch.setattr(data_parallel, "IN_PLACE_BYTES", 0)
+    return request.param == "in place"
 
 
 def _mlp(seed, dtype=torch.float64):
@@ -53,7 +65,7 @@ def _assert_grads(model, expected, exact=False):
 
 
 @sizes(1, 2, 3, 4)
-def test_sum_equals_full_batch(P_world, comm):
+def test_sum_equals_full_batch(P_world, comm, in_place):
     n = 7  # uneven at 3 and 4 ranks
     x, y = _batch(n, seed=3)
     expected = _grads(_mlp(0), x, y)
@@ -61,12 +73,16 @@ def test_sum_equals_full_batch(P_world, comm):
     for cap in (TINY_CAP, 25):
         model = _mlp(0)
         _step(model, x[rows], y[rows])
+        grads = [p.grad for p in model.parameters()]
         all_reduce_gradients(model, P_world, op="sum", bucket_cap_mb=cap)
         _assert_grads(model, expected)
+        assert all(p.grad is g for p, g in zip(model.parameters(), grads))  # the same tensors, overwritten
         reference = [p.grad.clone() for p in model.parameters()]
         # DataParallel: the same buckets, reduced during backward; bit-identical, and again on a second step.
         wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=cap, op="sum")
-        assert len(wrapped._buckets) == (6 if cap == TINY_CAP else 1)
+        apart = cap == TINY_CAP or in_place  # a bucket per parameter
+        assert len(wrapped._buckets) == (6 if apart else 1)
+        assert [b.solo for b in wrapped._buckets] == [in_place] * len(wrapped._buckets)
         for _ in range(2):
             _step(wrapped, x[rows], y[rows])
             _assert_grads(wrapped, reference, exact=True)
@@ -75,7 +91,7 @@ def test_sum_equals_full_batch(P_world, comm):
             x_local = x[rows].clone().requires_grad_()
             x_local.register_hook(lambda grad: started.append(wrapped._next))
             _step(wrapped, x_local, y[rows])
-            assert started[0] >= (4 if cap == TINY_CAP else 0)
+            assert started[0] >= (4 if apart else 0)
             _assert_grads(wrapped, reference, exact=True)
 
 

@@ -18,6 +18,7 @@ from distdl.functional.repartition import repartition
 from distdl.functional.sum_reduce import sum_reduce
 from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.nn.conv_feature import DistributedFeatureConv1d
+from distdl.nn import data_parallel
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
@@ -116,11 +117,14 @@ def test_zero_gradients_from_autograd(P_world, comm, rows):
         assert grad is not None and torch.equal(grad, torch.zeros(grad.shape, dtype=grad.dtype)), (name, comm.rank)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["bucketed", "in place"])
 @pytest.mark.parametrize("overlapped", [False, True], ids=["all_reduce_gradients", "DataParallel"])
 @sizes(1, 2, 3)
-def test_zero_parameter_gradients_are_synchronised(P_world, comm, overlapped):
+def test_zero_parameter_gradients_are_synchronised(P_world, comm, overlapped, in_place, monkeypatch):
     """A parameter used only through ``torch.sgn`` on some workers gets a zero tensor as ``.grad`` there; the
     synchronised gradient is the sum over the workers that used it directly."""
+    if in_place:
+        monkeypatch.setattr(data_parallel, "IN_PLACE_BYTES", 0)
     torch.manual_seed(0)
     module = torch.nn.Linear(3, 2, dtype=torch.float64)
     model = DataParallel(module, P_world, op="sum") if overlapped else module
