@@ -52,7 +52,8 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	touch $@
 
 # Benchmarks (see benchmarks/README.md): primitives against raw mpi4py and gloo at 2 and 4 ranks, the
-# allocator settings, the MPI thread level, and a CNN training step; reports in benchmarks/results/.
+# allocator settings, the MPI thread level, a CNN training step and a data-parallel step; reports in
+# benchmarks/results/.
 # The recommended run-time settings: MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE locks every call),
 # and a glibc heap that keeps freed memory (no mmap, no trimming), so large outputs are not page-faulted anew each call.
 BENCH_MPI := MPI4PY_RC_THREAD_LEVEL=serialized
@@ -72,6 +73,7 @@ bench: install
 	$(call BENCH_RUN,2,$(BENCH_MPI) $(BENCH_MALLOC),bench_memory.py --label retained)
 	$(call BENCH_RUN,2,$(BENCH_MPI) THP_MEM_ALLOC_ENABLE=1,bench_memory.py --label thp)
 	$(call BENCH_RUN,2,$(BENCH_MPI) $(BENCH_MALLOC),bench_layers.py)
+	$(call BENCH_RUN,2,$(BENCH_MPI) $(BENCH_MALLOC),bench_data_parallel.py)
 	$(PY) benchmarks/bench_primitives.py --report
 
 clean:

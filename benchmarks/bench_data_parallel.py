@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32, help="local batch per worker")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=int, default=30, help="rounds (after 3 to warm up)")
     parser.add_argument("--caps", type=float, nargs="+", default=[25.0, 4.0], help="bucket caps in MB")
     args = parser.parse_args()
     torch.set_num_threads(1)
