@@ -249,6 +249,22 @@ def test_dtypes_and_layouts(P_world, comm):
     torch.testing.assert_close(model.c.grad, (n * torch.arange(9.0).reshape(3, 3) + sum(range(n))).t())
 
 
+@sizes(2, 3)
+def test_shared_grad_tensor_is_reduced_once(P_world, comm):
+    """Two parameters whose ``.grad`` is one tensor both get its reduction (summed in place twice, it would
+    double); a third parameter's own gradient is unaffected."""
+    model = torch.nn.Module()
+    model.a, model.b, model.c = (torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64)) for _ in range(3))
+    shared = random_tensor((4, 3), seed=70 + comm.rank)
+    model.a.grad = model.b.grad = shared
+    model.c.grad = random_tensor((4, 3), seed=80 + comm.rank)
+    all_reduce_gradients(model, P_world, op="sum")
+    expected = sum(random_tensor((4, 3), seed=70 + r) for r in range(comm.size))
+    torch.testing.assert_close(model.a.grad, expected)
+    torch.testing.assert_close(model.b.grad, expected)
+    torch.testing.assert_close(model.c.grad, sum(random_tensor((4, 3), seed=80 + r) for r in range(comm.size)))
+
+
 @sizes(2)
 def test_no_sync_accumulates_locally(P_world, comm):
     x, y = _batch(2, seed=50 + comm.rank)

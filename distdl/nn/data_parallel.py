@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -71,13 +72,15 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     buckets = _plan("all_reduce_gradients", params, bucket_cap_mb)
     _check_agreement("all_reduce_gradients", P, _signature(buckets, []))
     comm, pool = _communicator(P), P._memo(("gradient_buffers",), dict)
+    addresses = Counter(b.params[0].grad.data_ptr() for b in buckets if b.solo and b.params[0].grad is not None)
+    claimed = {a for a, n in addresses.items() if n > 1}  # a .grad shared by parameters is copied, not summed twice
     for index, bucket in enumerate(buckets):
         # Reuse flat buffers between calls: fresh memory costs a page fault per page touched.
         key, length = (index, bucket.dtype, bucket.device), bucket.length
         if key not in pool or pool[key].numel() < length:
             pool[key] = torch.empty(length, dtype=bucket.dtype, device=bucket.device)
         bucket.flat = pool[key][:length]
-        bucket.start(comm)
+        bucket.start(comm, claimed)
     for bucket in buckets:
         bucket.finish(P.size if op == "avg" else 1)
 
@@ -130,7 +133,7 @@ class DataParallel(torch.nn.Module):
         if not self._in_flight:
             return
         for index in range(self._next, len(self._buckets)):  # buckets with an unused parameter
-            self._buckets[index].start(self._comm)
+            self._buckets[index].start(self._comm, self._claimed)
         self._next = len(self._buckets)
         for bucket in self._buckets:
             bucket.finish(self.P.size if self.op == "avg" else 1)
@@ -144,6 +147,7 @@ class DataParallel(torch.nn.Module):
             self._in_flight, self._next = True, 0
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
+            self._claimed: set[int] = set()
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
         if id(p) in self._seen:
             raise RuntimeError("DataParallel: expected one gradient per parameter per backward, got a second "
@@ -152,7 +156,7 @@ class DataParallel(torch.nn.Module):
         self._waiting[index] -= 1
         # Start buckets strictly in order, so every member issues the same sequence of collectives.
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
-            self._buckets[self._next].start(self._comm)
+            self._buckets[self._next].start(self._comm, self._claimed)
             self._next += 1
 
 
@@ -172,14 +176,15 @@ class _Bucket:
         self.data: list[torch.Tensor] = []  # what is being reduced: the segments, or solo the gradient itself
         self.requests: list[MPI.Request] = []
 
-    def start(self, comm: MPI.Comm) -> None:
-        """Copy the gradients in (zeros where there is none) and start the reduction."""
+    def start(self, comm: MPI.Comm, claimed: set[int]) -> None:
+        """Copy the gradients in (zeros where there is none) and start the reduction. ``claimed`` holds the
+        addresses of the gradients this round already reduces in place."""
         if self.flat is None:
             self.flat = torch.empty(self.length, dtype=self.dtype, device=self.device)
         grads = [p.grad for p in self.params]
         with torch.no_grad():
             if self.solo:
-                self.data = [self._solo_data(grads[0])]
+                self.data = [self._solo_data(grads[0], claimed)]
             else:
                 if not self.segments or self.segments[0].data_ptr() != self.flat.data_ptr():  # views of this buffer
                     self.segments = [t.view(p.shape) for p, t in
@@ -214,12 +219,14 @@ class _Bucket:
             if targets:
                 torch._foreach_copy_(targets, sources)
 
-    def _solo_data(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """Return the gradient itself where MPI can sum it in place, else a copy in the bucket's dtype."""
+    def _solo_data(self, grad: torch.Tensor | None, claimed: set[int]) -> torch.Tensor:
+        """Return the gradient itself where MPI can sum it in place, else a copy in the bucket's dtype (also
+        where another parameter's ``.grad`` is the same tensor: summing it twice in place would double it)."""
         if grad is None or grad._is_zerotensor():
             return torch.zeros(self.params[0].shape, dtype=self.dtype, device=self.device)
         if (grad.dtype == self.dtype and grad.device == self.device and grad.is_contiguous()
-                and not transport._lazy(grad)):
+                and not transport._lazy(grad) and grad.data_ptr() not in claimed):
+            claimed.add(grad.data_ptr())
             return grad
         return torch.empty(grad.shape, dtype=self.dtype, device=self.device).copy_(grad)
 
