@@ -177,8 +177,8 @@ class _Bucket:
         self.requests: list[MPI.Request] = []
 
     def start(self, comm: MPI.Comm, claimed: set[int]) -> None:
-        """Copy the gradients in (zeros where there is none) and start the reduction. ``claimed`` holds the
-        addresses of the gradients this round already reduces in place."""
+        """Copy the gradients in (zeros where there is none) and start the reduction. ``claimed``: addresses of
+        gradients not to reduce in place (already reduced in place this round, or shared by parameters)."""
         if self.flat is None:
             self.flat = torch.empty(self.length, dtype=self.dtype, device=self.device)
         grads = [p.grad for p in self.params]
@@ -190,7 +190,7 @@ class _Bucket:
                     self.segments = [t.view(p.shape) for p, t in
                                      zip(self.params, self.flat[:self.total].split(self.sizes))]
                 self.data = self.segments
-                if any(g is None for g in grads):
+                if any(g is None or transport._lazy(g) for g in grads):  # one by one (torch's copy_ resolves views)
                     for g, segment in zip(grads, self.segments):
                         segment.zero_() if g is None else segment.copy_(g)
                 else:
