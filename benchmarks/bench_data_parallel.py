@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from distdl import MPIPartition  # noqa: E402
+from distdl.backends import mpi as transport  # noqa: E402
 from distdl.nn import data_parallel  # noqa: E402
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients  # noqa: E402
 
@@ -65,12 +66,16 @@ def main() -> None:
         return
     megabytes = sum(p.numel() * p.element_size() for p in variants["backward only (no reduction)"][0].parameters())
     medians = {name: h.median(t) * 1e3 for name, t in times.items()}
+    threshold = transport.PAIRWISE_SUM_BYTES
+    pairwise = ("Every bucket is summed by MPI's `Iallreduce` (`DISTDL_PAIRWISE_SUM_BYTES=0`)." if threshold is None else
+                f"Buckets of {threshold >> 10} KiB or more are summed by distdl's pairwise sum "
+                "(`DISTDL_PAIRWISE_SUM_BYTES`), the others by MPI's `Iallreduce`.")
     lines = [f"Data-parallel training step (forward + backward + gradient reduction), {comm.size} ranks, "
              f"MLP {args.layers} x Linear({args.width}, {args.width}) = {megabytes / 2 ** 20:.1f} MB of float32 "
              f"parameters, local batch {args.batch}; {args.reps} rounds, one step of each variant per round in a "
              "fresh random order. Medians over rounds; the ratio is the median of the per-round ratios. "
              f"Gradients of {data_parallel.IN_PLACE_BYTES >> 10} KiB or more are reduced in place, each on its own "
-             "(`IN_PLACE_BYTES`): the cap only groups the smaller ones.", "",
+             "(`IN_PLACE_BYTES`): the cap only groups the smaller ones. " + pairwise, "",
              "| variant | median step (ms) | vs. backward then all_reduce_gradients |", "| --- | ---: | ---: |"]
     for name, median in medians.items():
         ratio = ""

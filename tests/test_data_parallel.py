@@ -1,13 +1,15 @@
 """Data-parallel gradient synchronisation: full-batch equivalence, fibres, buckets, hooks, errors.
 
-Every test runs twice: with the default ``IN_PLACE_BYTES`` (these small gradients go through flat buckets)
-and with it at 0 (every gradient is reduced on its own, in place where its layout allows).
+Every test runs four times: with the default ``IN_PLACE_BYTES`` (these small gradients go through flat buckets)
+and with it at 0 (every gradient is reduced on its own, in place where its layout allows); each with MPI's
+``Iallreduce`` (these sums are below ``PAIRWISE_SUM_BYTES``) and with the pairwise sum (the threshold lowered).
 """
 
 import numpy as np
 import pytest
 import torch
 
+from distdl.backends import mpi as transport
 from distdl.nn import data_parallel
 from distdl.nn.all_sum_reduce import AllSumReduce
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
@@ -22,6 +24,12 @@ def in_place(request, monkeypatch):
     if request.param == "in place":
         monkeypatch.setattr(data_parallel, "IN_PLACE_BYTES", 0)
     return request.param == "in place"
+
+
+@pytest.fixture(autouse=True, params=["MPI sum", "pairwise sum"])
+def pairwise(request, monkeypatch):
+    if request.param == "pairwise sum":  # from 8 B: rows of one element, a tail at 3 and 4 ranks
+        monkeypatch.setattr(transport, "PAIRWISE_SUM_BYTES", 8)
 
 
 def _mlp(seed, dtype=torch.float64):

@@ -4,14 +4,15 @@ Each member of ``P`` holds a replica of the same parameters and computes gradien
 part of the batch; synchronising sets every replica's gradient to ``g = sum_{j in P} g_j``
 (``op="sum"``) or ``g / P.size`` (``op="avg"``): an all-sum-reduce of the gradients, which is
 self-adjoint. Gradients travel in *buckets*: the gradients of several parameters of one dtype,
-flattened into one buffer and reduced by one MPI call, in reverse parameter order (the order
+flattened into one buffer and reduced in one sum, in reverse parameter order (the order
 backward produces them). A gradient of at least ``IN_PLACE_BYTES`` has a bucket of its own and is
-reduced where it lies, without the two copies through a flat buffer. float16/bfloat16 gradients
-are summed in float32.
+reduced where it lies, without the two copies through a flat buffer. Buckets below
+``DISTDL_PAIRWISE_SUM_BYTES`` are summed by MPI's ``Iallreduce``, larger ones by distdl's pairwise sum
+(``distdl.backends.mpi.InPlaceSum``), where ``op="avg"`` divides only this worker's share.
+float16/bfloat16 gradients are summed in float32.
 
-A parameter without a gradient (``grad is None``) counts as zeros: every bucket carries one
-presence slot per parameter, summed with the data (a gradient reduced in place has its slot in
-a one-element reduction beside it), so every member learns how many members had a gradient.
+A parameter without a gradient (``grad is None``) counts as zeros: every bucket sums one
+presence count per parameter beside its data, so every member learns how many members had a gradient.
 If any had one, every member gets the reduced gradient; if none had one, it stays ``None``
 everywhere.
 
@@ -53,13 +54,13 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
                          bucket_cap_mb: float = 25) -> None:
     """Reduce every parameter's ``.grad`` of ``module`` over ``P``, in buckets, in place.
 
-    Blocking; the flat bucket buffers are kept on ``P`` and reused by later calls.
+    Blocking; the buckets' buffers are kept on ``P`` and reused by later calls.
 
     Args:
         module: the replica; the members of ``P`` must hold the same parameters (dtypes, shapes, order).
         P: the partition of replicas (e.g. the data-parallel fibre ``P_x.create_subpartition([0])``).
         op: ``"avg"`` (sum divided by ``P.size``) or ``"sum"``.
-        bucket_cap_mb: the most megabytes of gradients reduced by one MPI call.
+        bucket_cap_mb: the most megabytes of small gradients reduced in one sum.
     Raises:
         TypeError: ``module`` not a ``torch.nn.Module``, ``P`` not a partition, or a sparse gradient.
         ValueError: a bad ``op`` or ``bucket_cap_mb``, or members of ``P`` holding different parameters.
@@ -75,23 +76,24 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     addresses = Counter(b.params[0].grad.data_ptr() for b in buckets if b.solo and b.params[0].grad is not None)
     claimed = {a for a, n in addresses.items() if n > 1}  # a .grad shared by parameters is copied, not summed twice
     for index, bucket in enumerate(buckets):
-        # Reuse flat buffers between calls: fresh memory costs a page fault per page touched.
-        key, length = (index, bucket.dtype, bucket.device), bucket.length
-        if key not in pool or pool[key].numel() < length:
-            pool[key] = torch.empty(length, dtype=bucket.dtype, device=bucket.device)
-        bucket.flat = pool[key][:length]
-        bucket.start(comm, claimed)
+        # Reuse the buffers between calls: fresh memory costs a page fault per page touched.
+        key = (index, bucket.dtype, bucket.device)
+        bucket.flat, bucket.scratch = pool.get(key, (None, None))
+        bucket.start(comm, claimed, P.size if op == "avg" else 1)
+        pool[key] = bucket.flat, bucket.scratch
     for bucket in buckets:
-        bucket.finish(P.size if op == "avg" else 1)
+        bucket.spread()
+    for bucket in buckets:
+        bucket.finish()
 
 
 class DataParallel(torch.nn.Module):
     """Wrap ``module`` so that backward reduces its gradients over ``P``, overlapped with backward.
 
     At construction the parameters and buffers are broadcast from rank 0 of ``P``. During
-    backward, as soon as every parameter of a bucket has its gradient, a non-blocking
-    ``Iallreduce`` of the bucket starts (buckets start in a fixed order, the same on every
-    member); all of them complete when backward ends, before anyone can read ``.grad``.
+    backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum
+    of the bucket starts (buckets start in a fixed order, the same on every member); all of
+    them complete when backward ends, before anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`. Every member of ``P``
     must run backward through the module. Hooks run in the backward thread: for parameters
@@ -103,6 +105,7 @@ class DataParallel(torch.nn.Module):
         super().__init__()
         params = _validate("DataParallel", module, P, op, bucket_cap_mb)
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
+        self._divisor = P.size if op == "avg" else 1
         self._buckets = _plan("DataParallel", params, bucket_cap_mb)
         self._sync, self._in_flight = True, False
         if not P.active or P.size == 1:
@@ -133,10 +136,12 @@ class DataParallel(torch.nn.Module):
         if not self._in_flight:
             return
         for index in range(self._next, len(self._buckets)):  # buckets with an unused parameter
-            self._buckets[index].start(self._comm, self._claimed)
+            self._buckets[index].start(self._comm, self._claimed, self._divisor)
         self._next = len(self._buckets)
         for bucket in self._buckets:
-            bucket.finish(self.P.size if self.op == "avg" else 1)
+            bucket.spread()
+        for bucket in self._buckets:
+            bucket.finish()
         self._in_flight = False
 
     def _gradient_ready(self, p: torch.Tensor, index: int) -> None:
@@ -156,13 +161,13 @@ class DataParallel(torch.nn.Module):
         self._waiting[index] -= 1
         # Start buckets strictly in order, so every member issues the same sequence of collectives.
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
-            self._buckets[self._next].start(self._comm, self._claimed)
+            self._buckets[self._next].start(self._comm, self._claimed, self._divisor)
             self._next += 1
 
 
 class _Bucket:
     """Gradients of several parameters of one dtype, flattened into one buffer for one reduction; or one
-    large gradient (``solo``), reduced in place, whose buffer then holds only its presence slot."""
+    large gradient (``solo``), reduced in place. Beside it, one presence slot per parameter is summed."""
 
     def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> None:
         self.params, self.dtype = params, dtype
@@ -170,46 +175,54 @@ class _Bucket:
         self.sizes = [p.numel() for p in params]
         self.total = sum(self.sizes)
         self.solo = len(params) == 1 and self.total * dtype.itemsize >= IN_PLACE_BYTES
-        self.length = len(params) + (0 if self.solo else self.total)  # of the flat buffer
-        self.flat: torch.Tensor | None = None  # allocated on first use, then reused
+        self.flat: torch.Tensor | None = None  # bucketed: allocated on first use, then reused
+        self.scratch: torch.Tensor | None = None  # a row for a pairwise sum (transport.InPlaceSum), reused
         self.segments: list[torch.Tensor] = []  # of the flat buffer, one per parameter, shaped like it
         self.data: list[torch.Tensor] = []  # what is being reduced: the segments, or solo the gradient itself
+        self.presence = np.zeros(len(params), dtype=np.int64)
         self.requests: list[MPI.Request] = []
+        self.sum: transport.InPlaceSum | None = None
 
-    def start(self, comm: MPI.Comm, claimed: set[int]) -> None:
-        """Copy the gradients in (zeros where there is none) and start the reduction. ``claimed``: addresses of
-        gradients not to reduce in place (already reduced in place this round, or shared by parameters)."""
-        if self.flat is None:
-            self.flat = torch.empty(self.length, dtype=self.dtype, device=self.device)
+    def start(self, comm: MPI.Comm, claimed: set[int], divisor: int) -> None:
+        """Copy the gradients in (zeros where there is none) and start the reduction, divided by ``divisor``.
+        ``claimed``: addresses of gradients not to reduce in place (already reduced in place this round, or
+        shared by parameters)."""
         grads = [p.grad for p in self.params]
         with torch.no_grad():
             if self.solo:
                 self.data = [self._solo_data(grads[0], claimed)]
+                summed = self.data[0]
             else:
-                if not self.segments or self.segments[0].data_ptr() != self.flat.data_ptr():  # views of this buffer
-                    self.segments = [t.view(p.shape) for p, t in
-                                     zip(self.params, self.flat[:self.total].split(self.sizes))]
+                flat = self.flat
+                if flat is None or flat.numel() < self.total or flat.dtype != self.dtype or flat.device != self.device:
+                    self.flat = flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
+                summed = flat[:self.total]
+                if not self.segments or self.segments[0].data_ptr() != flat.data_ptr():  # views of this buffer
+                    self.segments = [t.view(p.shape) for p, t in zip(self.params, summed.split(self.sizes))]
                 self.data = self.segments
                 if any(g is None or transport._lazy(g) for g in grads):  # one by one (torch's copy_ resolves views)
                     for g, segment in zip(grads, self.segments):
                         segment.zero_() if g is None else segment.copy_(g)
                 else:
                     torch._foreach_copy_(self.segments, grads)
-            self.flat[-len(grads):].copy_(torch.tensor([g is not None for g in grads], dtype=self.dtype))
-        self.requests = [comm.Iallreduce(MPI.IN_PLACE, transport.buffer(t, summed=True), op=MPI.SUM)
-                         for t in (self.data if self.solo else []) + [self.flat]]
+        self.presence[:] = [g is not None for g in grads]
+        self.requests = [comm.Iallreduce(MPI.IN_PLACE, self.presence, op=MPI.SUM)]
+        self.sum = transport.InPlaceSum(comm, summed, divisor, self.scratch)
+        self.scratch = self.sum.scratch
 
-    def finish(self, divisor: int) -> None:
+    def spread(self) -> None:
+        """Continue the reduction (after every bucket has started; see ``transport.InPlaceSum``)."""
+        self.sum.spread()
+
+    def finish(self) -> None:
         """Wait for the reduction and put the result in ``.grad``."""
+        self.sum.wait()
         MPI.Request.Waitall(self.requests)
-        self.requests = []
-        counts = self.flat[-len(self.params):].tolist()
+        self.sum, self.requests = None, []
         data, self.data = self.data, []
         targets, sources = [], []
         with torch.no_grad():
-            if divisor != 1:
-                (data[0] if self.solo else self.flat[:self.total]).div_(divisor)
-            for p, reduced, count in zip(self.params, data, counts):
+            for p, reduced, count in zip(self.params, data, self.presence.tolist()):
                 if count == 0 or reduced is p.grad:  # no member had a gradient (it stays None); reduced in place
                     continue
                 if p.grad is None or p.grad._is_zerotensor():  # autograd's zero tensors cannot be written
