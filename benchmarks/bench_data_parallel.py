@@ -67,9 +67,9 @@ def main() -> None:
     megabytes = sum(p.numel() * p.element_size() for p in variants["backward only (no reduction)"][0].parameters())
     medians = {name: h.median(t) * 1e3 for name, t in times.items()}
     threshold = transport.PAIRWISE_SUM_BYTES
-    pairwise = ("Every bucket is summed by MPI's `Iallreduce` (`DISTDL_PAIRWISE_SUM_BYTES=0`)." if threshold is None else
-                f"Buckets of {threshold >> 10} KiB or more are summed by distdl's pairwise sum "
-                "(`DISTDL_PAIRWISE_SUM_BYTES`), the others by MPI's `Iallreduce`.")
+    pairwise = (f"Buckets of {threshold >> 10} KiB or more are summed by distdl's pairwise sum "
+                "(`DISTDL_PAIRWISE_SUM_BYTES`), the others by MPI's `Iallreduce`." if threshold is not None else
+                "Every bucket is summed by MPI's `Iallreduce` (`DISTDL_PAIRWISE_SUM_BYTES=0`).")
     lines = [f"Data-parallel training step (forward + backward + gradient reduction), {comm.size} ranks, "
              f"MLP {args.layers} x Linear({args.width}, {args.width}) = {megabytes / 2 ** 20:.1f} MB of float32 "
              f"parameters, local batch {args.batch}; {args.reps} rounds, one step of each variant per round in a "

@@ -5,6 +5,9 @@ and with it at 0 (every gradient is reduced on its own, in place where its layou
 ``Iallreduce`` (these sums are below ``PAIRWISE_SUM_BYTES``) and with the pairwise sum (the threshold lowered).
 """
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -271,6 +274,28 @@ def test_shared_grad_tensor_is_reduced_once(P_world, comm):
     torch.testing.assert_close(model.a.grad, expected)
     torch.testing.assert_close(model.b.grad, expected)
     torch.testing.assert_close(model.c.grad, sum(random_tensor((4, 3), seed=80 + r) for r in range(comm.size)))
+
+
+@sizes(1, 2, 3)
+def test_repeated_calls(P_world, comm):
+    """all_reduce_gradients keeps its plan between calls: still right after the parameters change dtype in place
+    or one is replaced, and a dropped model is not kept alive by it."""
+    model = _mlp(6)
+    for step, dtype in enumerate((torch.float64, torch.float64, torch.float32, torch.float32)):
+        model.to(dtype)  # the same Parameter objects, new dtype
+        if step == 3:
+            model[0].bias = torch.nn.Parameter(random_tensor((6,), seed=9).to(dtype))
+        x, y = (t.to(dtype) for t in _batch(4, seed=60 + step))
+        _step(model, x * (comm.rank + 1), y)
+        local = [p.grad.clone() for p in model.parameters()]
+        all_reduce_gradients(model, P_world, op="sum")
+        for p, g in zip(model.parameters(), local):
+            assert p.grad.dtype == dtype
+            torch.testing.assert_close(p.grad, sum(comm.allgather(g)))
+    weight = weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert weight() is None
 
 
 @sizes(2)

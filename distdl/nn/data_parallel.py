@@ -27,6 +27,7 @@ outside P                       nothing (its gradients are left as they are)
 from __future__ import annotations
 
 import contextlib
+import weakref
 import zlib
 from collections import Counter
 from collections.abc import Iterator
@@ -54,7 +55,8 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
                          bucket_cap_mb: float = 25) -> None:
     """Reduce every parameter's ``.grad`` of ``module`` over ``P``, in buckets, in place.
 
-    Blocking; the buckets' buffers are kept on ``P`` and reused by later calls.
+    Blocking. The buckets (and their buffers) are planned on the first call and kept for later
+    calls with the same parameters.
 
     Args:
         module: the replica; the members of ``P`` must hold the same parameters (dtypes, shapes, order).
@@ -65,26 +67,41 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
         TypeError: ``module`` not a ``torch.nn.Module``, ``P`` not a partition, or a sparse gradient.
         ValueError: a bad ``op`` or ``bucket_cap_mb``, or members of ``P`` holding different parameters.
     """
-    params = _validate("all_reduce_gradients", module, P, op, bucket_cap_mb)
+    where = "all_reduce_gradients"
+    params = _validate(where, module, P, op, bucket_cap_mb)
     for p in params:
-        _check_dense("all_reduce_gradients", p)
+        _check_dense(where, p)
+    buckets, signature = _cached_plan(where, module, P, params, bucket_cap_mb)
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
-    buckets = _plan("all_reduce_gradients", params, bucket_cap_mb)
-    _check_agreement("all_reduce_gradients", P, _signature(buckets, []))
-    comm, pool = _communicator(P), P._memo(("gradient_buffers",), dict)
+    _check_agreement(where, P, signature)
+    comm = _communicator(P)
     addresses = Counter(b.params[0].grad.data_ptr() for b in buckets if b.solo and b.params[0].grad is not None)
     claimed = {a for a, n in addresses.items() if n > 1}  # a .grad shared by parameters is copied, not summed twice
-    for index, bucket in enumerate(buckets):
-        # Reuse the buffers between calls: fresh memory costs a page fault per page touched.
-        key = (index, bucket.dtype, bucket.device)
-        bucket.flat, bucket.scratch = pool.get(key, (None, None))
+    for bucket in buckets:
         bucket.start(comm, claimed, P.size if op == "avg" else 1)
-        pool[key] = bucket.flat, bucket.scratch
     for bucket in buckets:
         bucket.spread()
     for bucket in buckets:
         bucket.finish()
+
+
+def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: list,
+                 bucket_cap_mb: float) -> tuple[list[_Bucket], int]:
+    """Return the buckets of ``params`` and their signature, kept between calls with the same parameters.
+
+    Checking and planning cost ~3.5 us a parameter, and buckets kept keep their buffers (fresh memory costs a page
+    fault per page touched). The plans live as long as ``module`` (and ``P``); the last two per module.
+    """
+    plans = P._memo(("gradient_plans",), weakref.WeakKeyDictionary).setdefault(module, {})
+    key = (bucket_cap_mb, *((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params))
+    found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
+    if found is None:
+        buckets = _plan(where, params, bucket_cap_mb)
+        found = plans[key] = buckets, _signature(buckets, [])
+        if len(plans) > 2:
+            plans.pop(next(iter(plans)))
+    return found
 
 
 class DataParallel(torch.nn.Module):
@@ -253,10 +270,7 @@ def _validate(where: str, module: object, P: object, op: object, bucket_cap_mb: 
         raise ValueError(f"{where}: expected op in {list(_OPS)}, got {op!r}")
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"{where}: expected a positive bucket_cap_mb, got {bucket_cap_mb!r}")
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
-        transport.reduction_dtype(where, _grad_dtype(p))
-    return params
+    return [p for p in module.parameters() if p.requires_grad]  # their dtypes are checked by _plan
 
 
 def _grad_dtype(p: torch.Tensor) -> torch.dtype:
