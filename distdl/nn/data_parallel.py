@@ -80,6 +80,12 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     claimed = {a for a, n in addresses.items() if n > 1}  # a .grad shared by parameters is copied, not summed twice
     for bucket in buckets:
         bucket.start(comm, claimed, P.size if op == "avg" else 1)
+    _complete(buckets)
+
+
+def _complete(buckets: list[_Bucket]) -> None:
+    """Complete the reductions of started buckets: every bucket's sum continues before any is waited for, in
+    bucket order (the same on every member, so the collectives they post match)."""
     for bucket in buckets:
         bucket.spread()
     for bucket in buckets:
@@ -155,10 +161,7 @@ class DataParallel(torch.nn.Module):
         for index in range(self._next, len(self._buckets)):  # buckets with an unused parameter
             self._buckets[index].start(self._comm, self._claimed, self._divisor)
         self._next = len(self._buckets)
-        for bucket in self._buckets:
-            bucket.spread()
-        for bucket in self._buckets:
-            bucket.finish()
+        _complete(self._buckets)
         self._in_flight = False
 
     def _gradient_ready(self, p: torch.Tensor, index: int) -> None:
@@ -197,7 +200,7 @@ class _Bucket:
         self.segments: list[torch.Tensor] = []  # of the flat buffer, one per parameter, shaped like it
         self.data: list[torch.Tensor] = []  # what is being reduced: the segments, or solo the gradient itself
         self.presence = np.zeros(len(params), dtype=np.int64)
-        self.requests: list[MPI.Request] = []
+        self.counting: MPI.Request | None = None  # the sum of the presence counts
         self.sum: transport.InPlaceSum | None = None
 
     def start(self, comm: MPI.Comm, claimed: set[int], divisor: int) -> None:
@@ -223,7 +226,7 @@ class _Bucket:
                 else:
                     torch._foreach_copy_(self.segments, grads)
         self.presence[:] = [g is not None for g in grads]
-        self.requests = [comm.Iallreduce(MPI.IN_PLACE, self.presence, op=MPI.SUM)]
+        self.counting = comm.Iallreduce(MPI.IN_PLACE, self.presence, op=MPI.SUM)
         self.sum = transport.InPlaceSum(comm, summed, divisor, self.scratch)
         self.scratch = self.sum.scratch
 
@@ -234,8 +237,8 @@ class _Bucket:
     def finish(self) -> None:
         """Wait for the reduction and put the result in ``.grad``."""
         self.sum.wait()
-        MPI.Request.Waitall(self.requests)
-        self.sum, self.requests = None, []
+        self.counting.Wait()
+        self.sum = self.counting = None
         data, self.data = self.data, []
         targets, sources = [], []
         with torch.no_grad():
