@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+import distdl.backends.mpi as transport
+import distdl.functional._messages as messages
+
 FLOAT_DTYPES = (torch.float32, torch.float64)
 
 
@@ -16,3 +19,17 @@ def partition_shapes(n):
     """Cartesian shapes of 1-3 dimensions with n workers."""
     return {1: [(1,), (1, 1), (1, 1, 1)], 2: [(2,), (1, 2), (2, 1, 1)], 3: [(3,), (3, 1), (1, 1, 3)],
             4: [(4,), (2, 2), (1, 2, 2), (4, 1)]}[n]
+
+
+@pytest.fixture(params=["inline", "MPI collectives", "pairwise", "pairwise, in place"])
+def gather_paths(request, monkeypatch):
+    """Run an all_gather or reduce_scatter test on each data path: as shipped (these small blocks ride inside
+    the header round); through MPI's collectives; through the pairwise exchanges from 8 B (received into a
+    contiguous copy, and into place through MPI datatypes)."""
+    if request.param == "inline":
+        return request.param
+    monkeypatch.setattr(messages, "INLINE_GROUP", 1)  # header rounds carry headers only
+    monkeypatch.setattr(transport, "PAIRWISE_SUM_BYTES", None if request.param == "MPI collectives" else 8)
+    if request.param == "pairwise, in place":
+        monkeypatch.setattr(transport, "STRIDED_BYTES", 1)
+    return request.param

@@ -7,7 +7,9 @@ from distdl.functional.all_gather import all_gather, block_slices, in_rank_order
 from distdl.nn.all_gather import AllGather
 from distdl.testing import assert_adjoint, random_tensor, scatter
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
-from helpers import partition_shapes, sizes
+from helpers import gather_paths, partition_shapes, sizes  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("gather_paths")  # every test on every data path
 
 # Global shapes per partition dimension: uneven extents (7 over 3 or 4, 5 over 2), and a leading extent of 1.
 GLOBAL_SHAPES = {1: [(7,)], 2: [(7, 5), (1, 7)], 3: [(5, 4, 7)]}

@@ -8,7 +8,9 @@ from distdl.functional.reduce_scatter import reduce_scatter
 from distdl.nn.reduce_scatter import ReduceScatter
 from distdl.testing import assert_adjoint, random_tensor, scatter
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
-from helpers import partition_shapes, sizes
+from helpers import gather_paths, partition_shapes, sizes  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("gather_paths")  # every test on every data path
 
 # Full shapes per partition dimension: uneven extents (7 over 3 or 4, 5 over 2), and a leading extent of 1.
 FULL_SHAPES = {1: [(7,)], 2: [(7, 5), (1, 7)], 3: [(5, 4, 7)]}

@@ -18,7 +18,8 @@ from mpi4py import MPI
 from distdl.backends import cuda
 
 __all__ = ["buffer", "strided", "reduction_dtype", "copy", "empty", "contiguous", "crowded", "bcast", "allreduce_sum",
-           "InPlaceSum", "reduce_sum", "reduce_scatter_sum", "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
+           "InPlaceSum", "reduce_sum", "reduce_scatter_blocks", "allgather_blocks", "pairwise",
+           "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
 
 _SUM_TYPES = {
     torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
@@ -127,7 +128,8 @@ def _bytes_setting(name: str, default: int) -> int | None:
 
 # From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
 # Allreduce, Reduce and Reduce_scatter_block are 1.3-3x slower than that on one node from ~128 KiB
-# (benchmarks/README.md). Read once at import, so it must be the same on every worker; 0 turns it off.
+# (benchmarks/README.md). all_gather's blocks along a later dimension take allgather_blocks from the
+# same size. Read once at import, so it must be the same on every worker; 0 turns it off.
 PAIRWISE_SUM_BYTES = _bytes_setting("DISTDL_PAIRWISE_SUM_BYTES", 128 * 1024)
 # From this many bytes, a non-contiguous CPU slice moves in place (see strided). Against packing it
 # first, repartition took 0.65-0.85x the time with 2-8 MiB slices and 0.83-0.99x with 16 MiB ones,
@@ -281,39 +283,72 @@ def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | No
                                                    op=MPI.SUM, root=0))
 
 
-def reduce_scatter_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Write block ``r`` of the sum over ``comm`` of ``x`` (``p`` equal blocks, contiguous) into ``y`` on
-    worker ``r``. Large tensors take a pairwise reduce-scatter; from 3 workers it needs one block of scratch."""
-    rows = _rows(comm, x)
-    if rows is None:
-        send, recv = buffer(x, summed=True), buffer(y, summed=True)
-        comm.Reduce_scatter_block([send[0], recv[1], send[2]], recv, op=MPI.SUM)  # counts per block
-    else:
-        _reduce_scatter_rows(comm, rows, y.view(-1), torch.empty_like(y.view(-1)) if comm.size > 2 else None)
+def pairwise(comm: MPI.Intracomm, nbytes: int) -> bool:
+    """Whether ``nbytes`` summed (or gathered into blocks) over ``comm`` take distdl's pairwise exchanges."""
+    return comm.size > 1 and PAIRWISE_SUM_BYTES is not None and nbytes >= PAIRWISE_SUM_BYTES
 
 
 def _rows(comm: MPI.Intracomm, t: torch.Tensor) -> torch.Tensor | None:
     """Return ``t``'s first ``p * (numel // p)`` elements as ``p`` rows; None where MPI's own sum is used."""
     p, n = comm.size, t.numel()
-    if p == 1 or PAIRWISE_SUM_BYTES is None or t.nbytes < PAIRWISE_SUM_BYTES or n < 2 * p:
+    if not pairwise(comm, t.nbytes) or n < 2 * p:
         return None
     return t.view(-1)[:n - n % p].view(p, -1)
 
 
-def _reduce_scatter_rows(comm: MPI.Intracomm, rows: torch.Tensor, row: torch.Tensor,
+def _reduce_scatter_rows(comm: MPI.Intracomm, rows: torch.Tensor | list[torch.Tensor], row: torch.Tensor,
                          scratch: torch.Tensor | None) -> None:
-    """Sum row ``r`` of every worker's ``rows`` into ``row`` on worker ``r``.
+    """Sum ``rows[r]`` of every worker into ``row`` on worker ``r``.
 
     Worker ``r`` receives its row from every other worker in turn while sending them theirs (one
     single-copy transfer each), and adds it with torch; ``scratch`` holds the rows after the first.
-    Each element is summed in one fixed order, so the same inputs always give the same bits.
+    A row that is not contiguous (a block of a tensor split along a later dimension) is copied just
+    before it is sent. Each element is summed in one fixed order, so the same inputs always give the
+    same bits.
     """
     r, p = comm.rank, comm.size
     for step in range(1, p):
         to, source = (r + step) % p, (r - step) % p
         into = row if step == 1 else scratch
-        comm.Sendrecv(buffer(rows[to]), to, _PAIRWISE_TAG, buffer(into), source, _PAIRWISE_TAG)
+        send = contiguous(rows[to], row.dtype)  # referenced until the call returns
+        comm.Sendrecv(buffer(send), to, _PAIRWISE_TAG, buffer(into), source, _PAIRWISE_TAG)
         row.add_(rows[r] if step == 1 else scratch)
+
+
+def reduce_scatter_blocks(comm: MPI.Intracomm, blocks: list[torch.Tensor], y: torch.Tensor) -> None:
+    """Write the sum over ``comm`` of every member's ``blocks[r]`` into ``y`` on member ``r``, pairwise (see
+    :func:`_reduce_scatter_rows`): each block is copied only as it is sent, and this worker's own is added
+    where it lies, so a tensor split along a later dimension is never packed whole."""
+    _reduce_scatter_rows(comm, blocks, y, torch.empty_like(y) if comm.size > 2 else None)
+
+
+def allgather_blocks(comm: MPI.Intracomm, x: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+    """Write every member's contiguous ``x`` into ``blocks[i]`` (views of one output; member ``i``'s place).
+
+    Every message is posted at once, one from each other member, each received straight into its place
+    where that is contiguous or moves in place (see :func:`strided`), else into a contiguous copy put in
+    place at the end; this worker's own block is copied meanwhile. Against MPI's ``Allgather`` into a
+    packed buffer and unpacking it, float32 split by columns over 2 ranks took 0.60-0.66x the time at
+    8-32 MiB and 0.78-0.95x at 128 KiB-2 MiB (benchmarks/README.md).
+    """
+    r, p = comm.rank, comm.size
+    datatypes, staged, requests = [], [], []
+    for step in range(1, p):
+        source = (r - step) % p
+        place = blocks[source]
+        into = buffer(place) if place.is_contiguous() else strided(place, datatypes)
+        if into is None:
+            staged.append((place, torch.empty(place.shape, dtype=place.dtype, device=place.device)))
+            into = buffer(staged[-1][1])
+        requests.append(comm.Irecv(into, source, _PAIRWISE_TAG))
+    send = buffer(x, read_only=True)
+    requests += [comm.Isend(send, (r + step) % p, _PAIRWISE_TAG) for step in range(1, p)]
+    blocks[r].copy_(x)
+    MPI.Request.Waitall(requests)
+    for place, received in staged:
+        place.copy_(received)
+    for datatype in datatypes:
+        datatype.Free()
 
 
 def _tail(x: torch.Tensor, y: torch.Tensor | None, p: int, collective) -> None:

@@ -89,18 +89,23 @@ def _reduce_scatter(x, P_fibre, plan, messages):
         y = sum_payloads(messages, None, x.dtype, plan.shape, sum_dtype, plan.blocks[rank])
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if x.is_cpu else y.to(x.device)
+    comm = P_fibre.comm
+    y = transport.empty(plan.shapes[rank], sum_dtype, x.device)
+    if transport.pairwise(comm, x.numel() * y.element_size()):
+        x = transport.contiguous(x)  # the blocks are views of it, each copied only as it is sent, never all at once
+        transport.reduce_scatter_blocks(comm, [x[block] for block in plan.blocks], y)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     if plan.in_rank_order:
         x_sum = transport.contiguous(x, sum_dtype)
     else:  # pack: the blocks one after another in fibre rank order
         x_sum = transport.empty((x.numel(),), sum_dtype, x.device)
         for block, shape, n, d in zip(plan.blocks, plan.shapes, plan.counts, plan.displacements):
             x_sum[d:d + n].view(shape).copy_(x[block])
-    y = transport.empty(plan.shapes[rank], sum_dtype, x.device)
-    if plan.equal:  # faster than the general form (MPICH's Reduce_scatter_block, or the pairwise sum)
-        transport.reduce_scatter_sum(P_fibre.comm, x_sum, y)
+    send, recv = transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True)
+    if plan.equal:  # MPICH's Reduce_scatter_block is faster than the general form
+        comm.Reduce_scatter_block([send[0], recv[1], send[2]], recv, op=MPI.SUM)  # counts per block
     else:
-        P_fibre.comm.Reduce_scatter(transport.buffer(x_sum, summed=True), transport.buffer(y, summed=True),
-                                    plan.counts, op=MPI.SUM)
+        comm.Reduce_scatter(send, recv, plan.counts, op=MPI.SUM)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
