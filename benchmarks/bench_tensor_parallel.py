@@ -241,8 +241,9 @@ def report(args, comm: MPI.Comm, info: dict, load_start: float, rows, checks, ex
         *([] if min(ratios) > 0.95 or min(p["all_gather"], p["reduce_scatter"]) < 1.2 * p["ring step"] else [
             "Where the overlapped layer is faster anyway, the probe points to a cheaper data path rather than "
             "hidden transfers: the ring sends each block straight from the tensor in hand and places or sums it "
-            "with one torch operation, while the plain path's collectives over the feature axis go through MPI's "
-            "collective and pack or unpack column blocks. Overlapped / plain at most 0.9 here: "
+            "with one torch operation, while the plain path's collectives over the feature axis copy column blocks "
+            "(the sum packs each block it sends; below `DISTDL_PAIRWISE_SUM_BYTES` both pack or unpack them all "
+            "around MPI's collective). Overlapped / plain at most 0.9 here: "
             f"{'; '.join(faster) if faster else 'none'}."]),
         "Differences of a few percent are within the noise of this shared machine. The overlap is meant for "
         "interconnects that move data without the CPU (RDMA NICs, NVLink/GPU copy engines) or nodes with cores "

@@ -10,6 +10,7 @@ gradient synchronisation also take zero tensors as they come from autograd.
 import pytest
 import torch
 
+import distdl.backends.mpi as transport
 from distdl.functional.all_gather import all_gather
 from distdl.functional.all_sum_reduce import all_sum_reduce
 from distdl.functional.broadcast import broadcast
@@ -49,6 +50,8 @@ def _sums(P_world, comm, lazy, xs):
         yield total, expected, False
     P_rows = P_world.create_cartesian_topology_partition([comm.size, 1])
     yield reduce_scatter(mine, P_rows, [0]), scatter(expected, P_rows), False
+    P_cols = P_world.create_cartesian_topology_partition([1, comm.size])
+    yield reduce_scatter(mine, P_cols, [1]), scatter(expected, P_cols), False
 
 
 def _moves(P_world, comm, lazy, xs):
@@ -60,14 +63,18 @@ def _moves(P_world, comm, lazy, xs):
     P_cols = P_world.create_cartesian_topology_partition([1, comm.size])
     block = lazy(scatter(xs[0], P_rows))  # a lazy view of this worker's block
     yield all_gather(block, P_rows, [0]), whole, True
+    yield all_gather(lazy(scatter(xs[0], P_cols)), P_cols, [1]), whole, True
     yield repartition(block, P_rows, P_cols), scatter(whole, P_cols), True
 
 
+@pytest.mark.parametrize("pairwise", [False, True], ids=["MPI", "pairwise"])
 @pytest.mark.parametrize("primitives", [_sums, _moves], ids=["sums", "moves"])
 @pytest.mark.parametrize("view", list(VIEWS))
 @pytest.mark.parametrize("rows", [2, 40])  # 2 x 3 elements ride in the header round; 40 x 3 do not
 @sizes(1, 2, 3)
-def test_primitives_send_the_values_of_lazy_views(P_world, comm, primitives, view, rows):
+def test_primitives_send_the_values_of_lazy_views(P_world, comm, primitives, view, rows, pairwise, monkeypatch):
+    if pairwise:  # distdl's own exchanges from 8 B: the sums' rows, the blocks along dimension 1
+        monkeypatch.setattr(transport, "PAIRWISE_SUM_BYTES", 8)
     xs = [_complex((rows, 3), seed=10 * s + rows) for s in range(comm.size)]
     assert _lazy(VIEWS[view](xs[0]))
     results = list(primitives(P_world, comm, VIEWS[view], xs))  # every collective before any assertion
@@ -94,6 +101,8 @@ def _cases(P_world, comm, rows):
              "sum_reduce": (whole, lambda x: sum_reduce(x, P_world, P_root, preserve_batch=False)),
              "all_gather": (scatter(whole, P_rows), lambda x: all_gather(x, P_rows, [0])),
              "reduce_scatter": (whole, lambda x: reduce_scatter(x, P_rows, [0])),
+             "all_gather of columns": (scatter(whole, P_cols), lambda x: all_gather(x, P_cols, [1])),
+             "reduce_scatter of columns": (whole, lambda x: reduce_scatter(x, P_cols, [1])),
              "repartition": (scatter(whole, P_rows), lambda x: repartition(x, P_rows, P_cols)),
              "conv": (scatter(random_tensor((2, 2, rows), seed=comm.rank), P_line), conv),
              "batch norm": (scatter(random_tensor((2, 2, rows), seed=comm.rank), P_line), norm)}
@@ -109,9 +118,12 @@ def _through_sgn(P_world, comm, rows):
         yield name, x.grad
 
 
+@pytest.mark.parametrize("pairwise", [False, True], ids=["MPI", "pairwise"])
 @pytest.mark.parametrize("rows", [2, 40])
 @sizes(1, 2, 3)
-def test_zero_gradients_from_autograd(P_world, comm, rows):
+def test_zero_gradients_from_autograd(P_world, comm, rows, pairwise, monkeypatch):
+    if pairwise:
+        monkeypatch.setattr(transport, "PAIRWISE_SUM_BYTES", 8)
     grads = list(_through_sgn(P_world, comm, rows))  # every collective before any assertion
     for name, grad in grads:
         assert grad is not None and torch.equal(grad, torch.zeros(grad.shape, dtype=grad.dtype)), (name, comm.rank)

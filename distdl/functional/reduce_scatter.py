@@ -90,9 +90,9 @@ def _reduce_scatter(x, P_fibre, plan, messages):
         y = y if y.dtype == x.dtype else y.to(x.dtype)
         return y if x.is_cpu else y.to(x.device)
     comm = P_fibre.comm
+    x = transport.contiguous(x)  # its values in memory (a lazy view, a sparse cotangent): the blocks are views of it
     y = transport.empty(plan.shapes[rank], sum_dtype, x.device)
-    if transport.pairwise(comm, x.numel() * y.element_size()):
-        x = transport.contiguous(x)  # the blocks are views of it, each copied only as it is sent, never all at once
+    if transport.pairwise(comm, x.numel() * y.element_size()):  # each block copied only as it is sent
         transport.reduce_scatter_blocks(comm, [x[block] for block in plan.blocks], y)
         return y if y.dtype == x.dtype else y.to(x.dtype)
     if plan.in_rank_order:
