@@ -51,6 +51,14 @@ def test_broadcast_and_sum_reduce(P_world, comm, mode):
             total = sum_reduce(_data(n, comm.rank, dtype), P_world, P_root, preserve_batch=False)
             expected = sum(_data(n, r, torch.float64) for r in range(comm.size)).to(dtype)
             assert torch.equal(total, expected) if P_root.active else total.numel() == 0, (n, dtype, comm.rank)
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):  # 0-d tensors (a loss) stay 0-d: summed by NumPy
+        x = _data(1, comm.rank, dtype)[0]  # and, for bfloat16, by torch
+        total = sum_reduce(x, P_world, P_root, preserve_batch=False)
+        expected = sum(_data(1, r, torch.float64) for r in range(comm.size))[0].to(dtype)
+        assert torch.equal(total, expected) if P_root.active else total.shape == (0,), (dtype, comm.rank)
+        y = broadcast(x if P_root.active else torch.zeros(0, dtype=dtype), P_root, P_world, preserve_batch=False)
+        assert torch.equal(y, _data(1, comm.size - 1, dtype)[0]), (dtype, comm.rank)
+    assert_adjoint(lambda t: sum_reduce(t, P_world, P_root, preserve_batch=False), _data(1, comm.rank)[0], comm)
     for n in (4, 2 * LIMIT):  # non-contiguous views, inline and not
         x = _data(n, comm.size - 1, torch.float64)[::2]
         y = broadcast(x if P_root.active else torch.zeros(0, dtype=x.dtype), P_root, P_world, preserve_batch=False)

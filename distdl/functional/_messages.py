@@ -100,7 +100,8 @@ def sum_payloads(messages, rows: list[int] | None, dtype: torch.dtype, shape, ac
         count *= n
     data = messages.view(np.uint8)[rows, HEADER_BYTES:HEADER_BYTES + count * dtype.itemsize]
     blocks = data.view(kinds[dtype]).reshape((data.shape[0], *shape))
-    return torch.from_numpy(np.ascontiguousarray(blocks[(slice(None), *index)].sum(0, dtype=kinds[accumulate])))
+    total = blocks[(slice(None), *index)].sum(0, dtype=kinds[accumulate])  # a NumPy scalar for 0-d blocks
+    return torch.from_numpy(np.require(total, requirements="C"))  # keeps 0 dimensions, where ascontiguousarray gives 1
 
 
 @functools.lru_cache(maxsize=1)
