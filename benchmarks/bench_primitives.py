@@ -381,7 +381,7 @@ def _memory_section(paths: list[str]) -> list[str]:
              "From `benchmarks/bench_memory.py` at 2 ranks, once per allocator setting (glibc reads its settings at "
              "start-up, so they cannot take turns inside one run; the runs were made one after the other, and only "
              "ratios within a run are exact). `mpi4py, fresh` writes into a new tensor each call as distdl must "
-             "(outputs never alias inputs; its broadcast root copies, where distdl's returns a copy-on-write copy).", ""]
+             "(outputs never alias inputs; its broadcast root copies, as distdl's does).", ""]
     first = next((r for r in runs if r["label"] == "default"), runs[0])
     lines += [f"Peak memory of one 64 MiB AllSumReduce above the resident memory just before the call, less the "
               f"output it returns, per rank (MiB), allocator `{first['machine']['allocator']}`:", "",

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 
-__all__ = ["buffer", "strided", "reduction_dtype", "copy", "empty", "contiguous", "crowded", "bcast", "allreduce_sum",
+__all__ = ["buffer", "strided", "reduction_dtype", "empty", "contiguous", "crowded", "bcast", "allreduce_sum",
            "InPlaceSum", "reduce_sum", "reduce_scatter_blocks", "allgather_blocks", "pairwise",
            "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
 
@@ -31,18 +31,16 @@ _SUM_TYPES = {
 _ACCUMULATE = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
-def buffer(t: torch.Tensor, summed: bool = False, read_only: bool = False) -> list:
+def buffer(t: torch.Tensor, summed: bool = False) -> list:
     """Return the mpi4py buffer specification of contiguous ``t``: raw bytes, or typed for a sum.
 
     The specification holds only the address: keep ``t`` referenced until MPI is done with it
-    (never pass a temporary such as ``buffer(x.contiguous())`` to a non-blocking call). Only a buffer
-    MPI never writes may be ``read_only``: it leaves memory shared with a :func:`copy` shared, where
-    the default first gives ``t`` memory of its own.
+    (never pass a temporary such as ``buffer(x.contiguous())`` to a non-blocking call).
     """
     if t.is_cuda:
         cuda.prepare(t)
     nbytes = t.nbytes
-    memory = MPI.buffer.fromaddress(t.const_data_ptr() if read_only else t.data_ptr(), nbytes)
+    memory = MPI.buffer.fromaddress(t.data_ptr(), nbytes)
     if summed:
         return [memory, t.numel(), _SUM_TYPES[t.dtype]]
     return [memory, nbytes, MPI.BYTE]
@@ -99,19 +97,6 @@ def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
         t = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) if t._is_zerotensor()
              else t.resolve_conj().resolve_neg())
     return t.contiguous()
-
-
-def copy(t: torch.Tensor) -> torch.Tensor:
-    """Return a copy of ``t``; a contiguous CPU ``t`` shares its memory with it until either is written.
-
-    A worker that keeps its own block (the broadcast root) then returns it without copying, while
-    the output still never aliases the input: a write to either, in torch or through :func:`buffer`,
-    gives it memory of its own first.
-    """
-    return _lazy_clone(t) if t.is_cpu and t.is_contiguous() else t.clone()
-
-
-_lazy_clone = getattr(torch, "_lazy_clone", torch.clone)
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -341,7 +326,7 @@ def allgather_blocks(comm: MPI.Intracomm, x: torch.Tensor, blocks: list[torch.Te
             staged.append((place, torch.empty(place.shape, dtype=place.dtype, device=place.device)))
             into = buffer(staged[-1][1])
         requests.append(comm.Irecv(into, source, _PAIRWISE_TAG))
-    send = buffer(x, read_only=True)
+    send = buffer(x)
     requests += [comm.Isend(send, (r + step) % p, _PAIRWISE_TAG) for step in range(1, p)]
     blocks[r].copy_(x)
     MPI.Request.Waitall(requests)

@@ -175,12 +175,11 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
         small = inline(dtype, shape)
         y = inline_payload(message, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
     # Data round for larger blocks, straight from and into tensor memory, blocking where the plan allows
-    # (see blocking_allowed). A worker that feeds itself returns a copy-on-write copy of x: it copies
-    # nothing unless x or the copy is written later.
+    # (see blocking_allowed). A worker that feeds itself returns a copy of x.
     data = []
     if sending and not inline(x.dtype, x.shape):
         x_send = transport.contiguous(x)  # keep a reference until the wait
-        data.append((P_send.comm, transport.buffer(x_send, read_only=True)))
+        data.append((P_send.comm, transport.buffer(x_send)))
     if receiving and not small:
         data.append((P_recv.comm, transport.buffer(y)))
     if blocking:  # at most one
@@ -188,7 +187,7 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
             transport.bcast(comm, buf)
     elif data:
         MPI.Request.Waitall([comm.Ibcast(buf, root=0) for comm, buf in data])
-    return transport.copy(x) if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
+    return x.clone() if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -212,4 +211,4 @@ class _Broadcast(torch.autograd.Function):
             # the reduction runs on the same groups, reversed
             grad_x = _sum_reduce(grad_y, ctx.preserve_batch, plan.P_recv, plan.P_send, plan.blocking,
                                  (ctx.x_dtype, ctx.x_shape))
-        return grad_like(grad_x, ctx.x_shape), None, None, None
+        return grad_like(grad_x, ctx.x_shape, ctx.x_dtype), None, None, None
