@@ -40,6 +40,28 @@ def test_placeholders_without_grad(P_world, comm):
     v.sum().backward()
 
 
+@sizes(2, 3)
+def test_real_placeholders_for_complex_data(P_world, comm):
+    """Workers with nothing to send hold the default (float32) placeholder while the data is complex: their
+    empty gradients must be real, or autograd rejects them."""
+    n = comm.size
+    P_0, P_last = P_world.create_partition_inclusive([0]), P_world.create_partition_inclusive([n - 1])
+    data = torch.complex(random_tensor((4,), seed=1), random_tensor((4,), seed=2))
+    x = data.clone().requires_grad_() if P_0.active else zero_volume_tensor()
+    for op, copies in ((lambda t: broadcast(t, P_0, P_world), n), (lambda t: sum_reduce(t, P_0, P_last), 1),
+                       (lambda t: repartition(t, P_0, P_last), 1)):
+        x.grad = None
+        y = op(x)
+        g = torch.complex(random_tensor(y.shape, seed=3), random_tensor(y.shape, seed=4))  # the same on every worker
+        if y.requires_grad:  # the output of a worker in neither partition may not be in the graph
+            y.backward(g if y.is_complex() else g.real.to(y.dtype))  # there: real (the placeholder's) and empty
+        if P_0.active:
+            torch.testing.assert_close(x.grad, copies * torch.complex(random_tensor((4,), seed=3),
+                                                                      random_tensor((4,), seed=4)))
+        else:
+            assert x.grad is None or x.grad.shape == x.shape
+
+
 @sizes(3)
 def test_linear_with_receive_only_output_worker(P_world, comm):
     """DistributedLinear whose P_y worker is outside P_x and P_w, with an input that needs no gradient."""

@@ -66,14 +66,19 @@ def in_graph(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def grad_like(grad: torch.Tensor, x_shape: torch.Size) -> torch.Tensor:
-    """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape).
+def grad_like(grad: torch.Tensor, x_shape: torch.Size, x_dtype: torch.dtype) -> torch.Tensor:
+    """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape and dtype).
 
     A zero-volume gradient is reshaped rather than replaced, so double backward stays connected on
-    every worker (a fresh ``new_zeros`` would have no ``grad_fn``).
+    every worker (a fresh ``new_zeros`` would have no ``grad_fn``). Autograd casts a gradient to its
+    input's dtype, but takes no complex gradient for a real input: a real placeholder of a worker that
+    sends nothing, for complex data, gets the real part of its (empty) gradient.
     """
-    if grad.shape != x_shape and grad.numel() == 0 and 0 in tuple(x_shape):
-        return grad.reshape(x_shape)
+    if grad.numel() == 0 and 0 in tuple(x_shape):
+        if grad.is_complex() and not x_dtype.is_complex:
+            grad = grad.real
+        if grad.shape != x_shape:
+            grad = grad.reshape(x_shape)
     return grad
 
 

@@ -132,7 +132,7 @@ class _Repartition(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pair):  # one argument besides x: each costs autograd ~1 us
-        ctx.P_x, ctx.P_y, ctx.pair, ctx.x_shape = pair.x_ref(), pair.y_ref(), pair, x.shape
+        ctx.P_x, ctx.P_y, ctx.pair, ctx.x_shape, ctx.x_dtype = pair.x_ref(), pair.y_ref(), pair, x.shape, x.dtype
         y, ctx.plan = _forward(x, ctx.P_x, ctx.P_y, pair)
         return y
 
@@ -145,7 +145,7 @@ class _Repartition(torch.autograd.Function):
             if check_mode():
                 verify("repartition", pair.P_union or ctx.P_y, agree=())
             grad_x = _adjoint(grad_y, ctx.P_x, ctx.P_y, pair, ctx.plan)
-        return grad_like(grad_x, ctx.x_shape), None
+        return grad_like(grad_x, ctx.x_shape, ctx.x_dtype), None
 
 
 def _forward(x, P_x, P_y, pair):

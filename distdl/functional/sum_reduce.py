@@ -174,4 +174,4 @@ class _SumReduce(torch.autograd.Function):
                 verify("broadcast", union(ctx.P_y, ctx.P_dest) or ctx.P_y, agree=())
             grad_x = _broadcast(grad_y, ctx.preserve_batch, plan.P_send, plan.P_recv, plan.blocking,
                                 (ctx.x_dtype, ctx.x_shape))
-        return grad_like(grad_x, ctx.x_shape), None, None, None
+        return grad_like(grad_x, ctx.x_shape, ctx.x_dtype), None, None, None
