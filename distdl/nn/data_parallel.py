@@ -213,13 +213,10 @@ class _Bucket:
                 self.data = [self._solo_data(grads[0], claimed)]
                 summed = self.data[0]
             else:
-                flat = self.flat
-                if flat is None or flat.numel() < self.total or flat.dtype != self.dtype or flat.device != self.device:
-                    self.flat = flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
-                summed = flat[:self.total]
-                if not self.segments or self.segments[0].data_ptr() != flat.data_ptr():  # views of this buffer
-                    self.segments = [t.view(p.shape) for p, t in zip(self.params, summed.split(self.sizes))]
-                self.data = self.segments
+                if self.flat is None:  # its size, dtype and device are the bucket's: made once
+                    self.flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
+                    self.segments = [t.view(p.shape) for p, t in zip(self.params, self.flat.split(self.sizes))]
+                summed, self.data = self.flat, self.segments
                 if any(g is None or transport._lazy(g) for g in grads):  # one by one (torch's copy_ resolves views)
                     for g, segment in zip(grads, self.segments):
                         segment.zero_() if g is None else segment.copy_(g)
