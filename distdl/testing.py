@@ -46,16 +46,16 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
 
     Collective over the root communicator (every worker calls it); for tests, not for speed.
     """
-    blocks = P._root.allgather((P.index, x_local.detach().cpu().numpy()) if P.active else None)
+    blocks = P._root.allgather((P.index, x_local.detach().cpu().clone()) if P.active else None)
     blocks = {index: block for item in blocks if item is not None for index, block in [item]}
     shape = [sum(blocks[tuple(i if a == axis else 0 for a in range(P.dim))].shape[axis]
                  for i in range(P.shape[axis])) for axis in range(P.dim)]
     some = next(iter(blocks.values()))
-    out = np.empty(shape, dtype=some.dtype)
+    out = some.new_empty(shape)
     for index, block in blocks.items():
         start = compute_start_index(P.shape, index, shape)
         out[tuple(slice(a, a + n) for a, n in zip(start, block.shape))] = block
-    return torch.from_numpy(out).to(x_local.device)
+    return out.to(x_local.device)
 
 
 def _allsum(comm: MPI.Comm, values: list[float]) -> list[float]:

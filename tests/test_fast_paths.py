@@ -144,6 +144,18 @@ def test_repartition(P_world, comm, mode):
                                                                       P_rows), comm)
 
 
+@sizes(1, 2, 3)
+def test_scatter_and_gather_every_dtype(P_world, comm):
+    """The test kit's gather assembles dtypes NumPy lacks (bfloat16) and non-contiguous blocks; idle workers too."""
+    P_x = P_world.create_partition_inclusive(range(comm.size - 1 or 1)).create_cartesian_topology_partition(
+        (1, comm.size - 1 or 1))
+    X = random_tensor((3, 2 * comm.size + 1), seed=5)
+    for dtype in (torch.bfloat16, torch.float16, torch.complex64, torch.int64, torch.bool):
+        x_local = scatter(X.to(dtype), P_x)
+        assert torch.equal(gather(x_local, P_x), X.to(dtype)), (dtype, comm.rank)
+        assert torch.equal(gather(x_local.t().contiguous().t(), P_x), X.to(dtype)), (dtype, comm.rank)
+
+
 @pytest.mark.parametrize("threshold", [16, "default"])
 @sizes(2, 3, 4)
 def test_pairwise_sums(P_world, comm, threshold, monkeypatch):

@@ -14,7 +14,8 @@ CASES = {
         ((1, 1, 1), (1, 2, 5), dict(size=11, mode="linear"))],
     2: [((1, 1, 2, 1), (1, 2, 5, 3), dict(scale_factor=1.7, mode="bilinear")),
         ((2, 1, 1), (3, 2, 7), dict(size=4, mode="linear", align_corners=True)),
-        ((1, 2, 1), (1, 3, 5), dict(scale_factor=2.5, mode="nearest-exact"))],
+        ((1, 2, 1), (1, 3, 5), dict(scale_factor=2.5, mode="nearest-exact")),
+        ((1, 1, 2, 1), (1, 2, 3, 3), dict(scale_factor=(2.2, 1.3)))],  # 2-d nearest: torch halves (6 rows), copies
     3: [((1, 1, 3), (1, 2, 4), dict(scale_factor=2.3, mode="linear", recompute_scale_factor=True)),
         ((1, 1, 1, 3), (1, 2, 3, 8), dict(size=(5, 5), mode="bilinear", align_corners=True)),
         ((1, 1, 1, 3, 1), (1, 1, 2, 3, 4), dict(scale_factor=(1.5, 2, 1), mode="trilinear"))],

@@ -35,11 +35,14 @@ _LINEAR = {"linear": 1, "bilinear": 2, "trilinear": 3}
 
 
 def coordinates(mode: str, align_corners: bool, n: int, length: int, scale_factor: float | None,
-                dtype: torch.dtype) -> tuple[np.ndarray, ...]:
+                dtype: torch.dtype, spatial: int) -> tuple[np.ndarray, ...]:
     """Return torch's sources of ``length`` outputs from ``n`` inputs: ``(index,)`` for the nearest modes,
     ``(index0, index1, lambda0, lambda1)`` for linear; computed as torch's CPU kernels do for ``dtype``
     (in float64 for float64, else float32; ``scale * (i + 0.5) - 0.5`` rounded once, as the fused
-    multiply-add the compiled kernels use)."""
+    multiply-add the compiled kernels use) with ``spatial`` spatial dimensions. torch's 2-d 'nearest'
+    forward copies when ``length == n`` and halves when ``length == 2 * n``, whatever the scale factor; its
+    1-d and 3-d forwards do not (their backwards do, so there torch's gradient is not its forward's adjoint:
+    distdl's is)."""
     real = np.float64 if dtype == torch.float64 else np.float32
     out = np.arange(length, dtype=real)
     if mode != "nearest" and align_corners:
@@ -49,6 +52,8 @@ def coordinates(mode: str, align_corners: bool, n: int, length: int, scale_facto
     else:
         scale = real(n) / real(length)
     if mode == "nearest":
+        if spatial == 2 and length in (n, 2 * n):
+            return (np.arange(length, dtype=np.int64) // (length // n),)
         return (np.minimum(np.floor((scale * out).astype(np.float32)).astype(np.int64), n - 1),)
     if align_corners:
         source = scale * out
@@ -114,7 +119,8 @@ class DistributedUpsample(torch.nn.Module):
     def _coordinates(self, k: int, n: int, length: int, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
         scale = None if self.scale_factor is None or self.recompute_scale_factor else self.scale_factor[k]
         key = ("upsample", self.mode, bool(self.align_corners), n, length, scale, dtype == torch.float64)
-        return self.P_x._memo(key, lambda: coordinates(self.mode, bool(self.align_corners), n, length, scale, dtype))
+        return self.P_x._memo(key, lambda: coordinates(self.mode, bool(self.align_corners), n, length, scale, dtype,
+                                                       self.P_x.dim - 2))
 
     def _source(self, k: int, n: int, length: int, o0: int, o1: int, dtype: torch.dtype) -> tuple[int, int]:
         sources = self._coordinates(k, n, length, dtype)
