@@ -1,11 +1,14 @@
 """The fast paths of the primitives: payloads inside the header round, blocking calls, pairwise sums.
 
 Every primitive is run on both sides of the inline limit (``INLINE_BYTES``), with the header-only
-round forced (``INLINE_GROUP = 1``), in plans where a worker is in two groups (non-blocking), and
-for the dtypes whose bytes travel inline; results are compared exactly with local references. The
+round forced (``INLINE_GROUP = 1``), with every broadcast root that feeds itself copying its block
+during a non-blocking data round (``OVERLAP_BYTES = 1``), in plans where a worker is in two groups
+(non-blocking), and for the dtypes whose bytes travel inline; results are compared exactly with local references. The
 large-message sums are run on both sides of ``PAIRWISE_SUM_BYTES``, with it lowered to small sizes,
 and repartition with overlaps large enough to move in place (``STRIDED_BYTES``).
 """
+
+import importlib
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from distdl.functional.sum_reduce import sum_reduce
 from distdl.testing import assert_adjoint, gather, random_tensor, scatter
 from helpers import sizes
 
+broadcast_module = importlib.import_module("distdl.functional.broadcast")  # the package exports the function
 LIMIT = messages.INLINE_BYTES // 4  # float32 elements that still travel inline
 LENGTHS = (0, 1, LIMIT, LIMIT + 1, 3 * LIMIT)  # around the limit: inline, exactly full, one over
 
@@ -31,10 +35,12 @@ def _data(n, seed, dtype=torch.float32):
     return values.to(dtype) if dtype != torch.bool else values.remainder(2).to(torch.bool)
 
 
-@pytest.fixture(params=["inline", "headers only"])
+@pytest.fixture(params=["inline", "headers only", "overlapped copies"])
 def mode(request, monkeypatch):
     if request.param == "headers only":
         monkeypatch.setattr(messages, "INLINE_GROUP", 1)
+    if request.param == "overlapped copies":  # every broadcast root that feeds itself copies x during the round
+        monkeypatch.setattr(broadcast_module, "OVERLAP_BYTES", 1)
     return request.param
 
 
@@ -78,6 +84,22 @@ def test_worker_in_two_groups(P_world, comm, mode):
         z = sum_reduce(_data(n, comm.rank), P_y, P_world, preserve_batch=False)
         assert torch.equal(z, _data(n, ranks[comm.rank]))
         assert_adjoint(lambda t: broadcast(t, P_world, P_y), _data(n, comm.rank, torch.float64), comm)
+
+
+@sizes(4)
+def test_root_feeds_itself_in_a_non_blocking_plan(P_world, comm, mode):
+    """Worker 0 feeds itself and worker 1; worker 1 receives from 0 and feeds 2 and 3 (two groups)."""
+    P_x = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition((2, 1))
+    P_y = P_world.create_cartesian_topology_partition((2, 2))
+    assert not blocking_allowed(P_x, P_y, False, False)
+    source = comm.rank // 2
+    for n in (2, LIMIT + 5):
+        x = _data(n, comm.rank) if P_x.active else torch.zeros(0)
+        assert torch.equal(broadcast(x, P_x, P_y, preserve_batch=False), _data(n, source)), (n, comm.rank)
+        z = sum_reduce(_data(n, comm.rank), P_y, P_x, preserve_batch=False)
+        assert torch.equal(z, _data(n, 2 * comm.rank) + _data(n, 2 * comm.rank + 1)) if P_x.active else z.numel() == 0
+        x = _data(n, comm.rank, torch.float64) if P_x.active else torch.zeros(0, dtype=torch.float64)
+        assert_adjoint(lambda t: broadcast(t, P_x, P_y), x, comm)
 
 
 @sizes(1, 2, 3, 4)
@@ -232,7 +254,7 @@ def test_blocking_and_non_blocking_waits(P_world, comm, crowded, monkeypatch):
 
 
 @sizes(1, 2, 3)
-def test_broadcast_root_output_is_a_copy(P_world, comm):
+def test_broadcast_root_output_is_a_copy(P_world, comm, mode):
     """The root's own output is a copy of x: writes to either never show in the other, also where x's memory
     is NumPy's or is written through a NumPy view (which torch's copy-on-write cannot see)."""
     import numpy as np

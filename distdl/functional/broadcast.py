@@ -19,7 +19,8 @@ when the block shape changes between calls; blocks of up to 1 KiB travel inside 
 one broadcast. As the adjoint of :func:`~distdl.functional.sum_reduce.sum_reduce` in a backward,
 receivers already know what arrives and the header round runs only where the block rides in it.
 A worker that sends in one group and receives in another posts both broadcasts non-blocking, so
-no order of groups can deadlock.
+no order of groups can deadlock. A root that feeds itself makes its copy of ``x`` while its group
+reads ``x`` (a non-blocking data round, from ``OVERLAP_BYTES``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ from distdl.checks import check_mode, verify
 from distdl.partition import MPIPartition, _broadcast_groups
 
 __all__ = ["broadcast"]
+
+# From this block size a root that feeds itself copies x while its group reads x (a non-blocking data round
+# in every plan); below it, the blocking round and then the copy cost less.
+OVERLAP_BYTES = 64 * 1024
 
 
 @host_staged
@@ -69,7 +74,7 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
     if not (plan.P_send.active or plan.P_recv.active):
         return x.clone()
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
-        return _broadcast(x, bool(preserve_batch), plan.P_send, plan.P_recv, plan.blocking)
+        return _broadcast(x, bool(preserve_batch), plan)
     return _Broadcast.apply(in_graph(x), plan, P_x, bool(preserve_batch))
 
 
@@ -80,12 +85,15 @@ class Groups:
     Below a few KiB a call's cost is mostly Python, and validating the partitions costs as much as the
     collective. It refers to ``P_dest`` weakly (see ``MPIPartition._memo_with``).
     """
-    __slots__ = ("dest_ref", "transpose_src", "transpose_dest", "P_send", "P_recv", "blocking")
+    __slots__ = ("dest_ref", "transpose_src", "transpose_dest", "P_send", "P_recv", "blocking", "copying")
 
     def __init__(self, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool, transpose_dest: bool) -> None:
         self.dest_ref, self.transpose_src, self.transpose_dest = weakref.ref(P_dest), transpose_src, transpose_dest
         self.P_send, self.P_recv = broadcast_plan(P_src, P_dest, transpose_src, transpose_dest)
         self.blocking = blocking_allowed(P_src, P_dest, transpose_src, transpose_dest)
+        # whether the root of a group this worker is in feeds itself too (see _broadcast)
+        self.copying = any(feeds_itself and P_src._root.rank in members for members, feeds_itself
+                           in _broadcast_groups("broadcast", P_src, P_dest, transpose_src, transpose_dest))
 
 
 def groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: object, transpose_dest: object,
@@ -148,9 +156,11 @@ def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: boo
                             lambda: P_src.create_broadcast_partition_to(P_dest, transpose_src, transpose_dest))
 
 
-def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
-    """Return this worker's block; ``incoming`` is the dtype and shape it receives when known (in a
-    backward: then the header round runs only in groups whose block rides in it), None to learn them."""
+def _broadcast(x, preserve_batch, plan, incoming=None):
+    """Return this worker's block under ``plan`` (:class:`Groups`); ``incoming`` is the dtype and shape it
+    receives when known (in a backward: then the header round runs only in groups whose block rides in it),
+    None to learn them."""
+    P_send, P_recv, blocking = plan.P_send, plan.P_recv, plan.blocking
     feeds_itself = P_recv.active and P_recv is P_send
     sending = P_send.active and P_send.comm.size > 1
     receiving = P_recv.active and not feeds_itself
@@ -175,19 +185,24 @@ def _broadcast(x, preserve_batch, P_send, P_recv, blocking, incoming=None):
         small = inline(dtype, shape)
         y = inline_payload(message, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
     # Data round for larger blocks, straight from and into tensor memory, blocking where the plan allows
-    # (see blocking_allowed). A worker that feeds itself returns a copy of x.
+    # (see blocking_allowed) unless the group's root copies x for itself (see Groups.copying): then from
+    # OVERLAP_BYTES the round is non-blocking and the copy is made while the group reads x.
     data = []
     if sending and not inline(x.dtype, x.shape):
-        x_send = transport.contiguous(x)  # keep a reference until the wait
-        data.append((P_send.comm, transport.buffer(x_send)))
+        data.append((P_send.comm, transport.contiguous(x)))  # keep a reference until the wait
     if receiving and not small:
-        data.append((P_recv.comm, transport.buffer(y)))
-    if blocking:  # at most one
-        for comm, buf in data:
-            transport.bcast(comm, buf)
-    elif data:
-        MPI.Request.Waitall([comm.Ibcast(buf, root=0) for comm, buf in data])
-    return x.clone() if feeds_itself else y if receiving else zero_volume_like(x, preserve_batch)
+        data.append((P_recv.comm, y))
+    requests = []
+    if blocking and not (plan.copying and data and data[0][1].nbytes >= OVERLAP_BYTES):  # at most one
+        for comm, t in data:
+            transport.bcast(comm, transport.buffer(t))
+    else:
+        requests = [comm.Ibcast(transport.buffer(t), root=0) for comm, t in data]
+    if feeds_itself:
+        y = x.clone()
+    if requests:
+        MPI.Request.Waitall(requests)
+    return y if P_recv.active else zero_volume_like(x, preserve_batch)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -196,7 +211,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx, x, plan, P_x, preserve_batch):  # few arguments: each costs autograd ~1 us
         ctx.plan, ctx.P_x, ctx.preserve_batch, ctx.x_shape, ctx.x_dtype = plan, P_x, preserve_batch, x.shape, x.dtype
         ctx.P_dest = plan.dest_ref()  # the plan holds it weakly; a backward with create_graph needs it
-        return _broadcast(x, preserve_batch, plan.P_send, plan.P_recv, plan.blocking)
+        return _broadcast(x, preserve_batch, plan)
 
     @staticmethod
     def backward(ctx, grad_y):
