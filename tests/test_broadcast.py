@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 from distdl import MPIPartition
+from distdl.checks import checking
 from distdl.functional.broadcast import broadcast
 from distdl.nn.broadcast import Broadcast
 from distdl.partition import live_communicators
@@ -149,23 +150,25 @@ def test_dtypes_and_noncontiguous(P_world, comm):
 
 
 @sizes(2, 4)
-def test_backward_is_sum_and_plan_built_once(P_world, comm):
-    P_x = P_world.create_partition_inclusive([0])
-    layer = Broadcast(P_x, P_world)
-    gc.collect()  # earlier tests' partitions, freed now rather than while counting
-    count = live_communicators()
-    for batch in (3, 2):
-        x = (torch.ones(batch, 2) if P_x.active else torch.zeros(batch, 0)).double().requires_grad_()
-        dy = random_tensor((batch, 2), seed=100 + comm.rank)
-        keep = dy.clone()
-        layer(x).backward(dy)
-        assert torch.equal(dy, keep)  # grad_output is never modified in place
-        if P_x.active:
-            expected = sum(random_tensor((batch, 2), seed=100 + r) for r in range(comm.size))
-            torch.testing.assert_close(x.grad, expected, rtol=1e-14, atol=1e-14)
-        else:
-            assert x.grad.shape == (batch, 0)
-    assert live_communicators() == count  # calls, backward included, build no communicators
+@pytest.mark.parametrize("checked", [False, True])  # check mode builds what it needs up front
+def test_backward_is_sum_and_plan_built_once(P_world, comm, checked):
+    with checking(checked):
+        P_x = P_world.create_partition_inclusive([0])
+        layer = Broadcast(P_x, P_world)
+        gc.collect()  # earlier tests' partitions, freed now rather than while counting
+        count = live_communicators()
+        for batch in (3, 2):
+            x = (torch.ones(batch, 2) if P_x.active else torch.zeros(batch, 0)).double().requires_grad_()
+            dy = random_tensor((batch, 2), seed=100 + comm.rank)
+            keep = dy.clone()
+            layer(x).backward(dy)
+            assert torch.equal(dy, keep)  # grad_output is never modified in place
+            if P_x.active:
+                expected = sum(random_tensor((batch, 2), seed=100 + r) for r in range(comm.size))
+                torch.testing.assert_close(x.grad, expected, rtol=1e-14, atol=1e-14)
+            else:
+                assert x.grad.shape == (batch, 0)
+        assert live_communicators() == count  # calls, backward included, build no communicators
 
 
 @sizes(1, 2)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from distdl.checks import checking
 from distdl.functional.sum_reduce import sum_reduce
 from distdl.nn.broadcast import Broadcast
 from distdl.nn.sum_reduce import SumReduce
@@ -113,20 +114,22 @@ def test_dtypes_and_noncontiguous(P_world, comm):
 
 
 @sizes(2, 4)
-def test_backward_is_broadcast_and_plan_shared(P_world, comm):
-    P_y = P_world.create_partition_inclusive([comm.size - 1])
-    layer = SumReduce(P_world, P_y)
-    gc.collect()  # earlier tests' partitions, freed now rather than while counting
-    count = live_communicators()
-    Broadcast(P_y, P_world)  # the adjoint layer uses the same communicators
-    for batch in (3, 2):
-        x = torch.ones(batch, 2, dtype=torch.float64, requires_grad=True)
-        dy = random_tensor((batch, 2), seed=batch) if P_y.active else torch.zeros(batch, 0, dtype=torch.float64)
-        keep = dy.clone()
-        layer(x).backward(dy)
-        assert torch.equal(dy, keep)  # grad_output is never modified in place
-        assert torch.equal(x.grad, random_tensor((batch, 2), seed=batch))
-    assert live_communicators() == count  # calls, backward included, build no communicators
+@pytest.mark.parametrize("checked", [False, True])  # check mode builds what it needs up front
+def test_backward_is_broadcast_and_plan_shared(P_world, comm, checked):
+    with checking(checked):
+        P_y = P_world.create_partition_inclusive([comm.size - 1])
+        layer = SumReduce(P_world, P_y)
+        gc.collect()  # earlier tests' partitions, freed now rather than while counting
+        count = live_communicators()
+        Broadcast(P_y, P_world)  # the adjoint layer uses the same communicators
+        for batch in (3, 2):
+            x = torch.ones(batch, 2, dtype=torch.float64, requires_grad=True)
+            dy = random_tensor((batch, 2), seed=batch) if P_y.active else torch.zeros(batch, 0, dtype=torch.float64)
+            keep = dy.clone()
+            layer(x).backward(dy)
+            assert torch.equal(dy, keep)  # grad_output is never modified in place
+            assert torch.equal(x.grad, random_tensor((batch, 2), seed=batch))
+        assert live_communicators() == count  # calls, backward included, build no communicators
 
 
 @sizes(2, 3)

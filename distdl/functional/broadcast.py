@@ -150,8 +150,11 @@ def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: boo
                    transpose_dest: bool) -> tuple[MPIPartition, MPIPartition]:
     """Return ``(P_send, P_recv)`` for broadcasting ``P_src`` onto ``P_dest``, built once per pair.
 
-    SumReduce from ``P_dest`` to ``P_src`` uses the same groups, so a layer and its adjoint share them.
+    SumReduce from ``P_dest`` to ``P_src`` uses the same groups, so a layer and its adjoint share them. In
+    check mode it also builds the union of the two, on which every call then verifies its peers.
     """
+    if check_mode():
+        union(P_src, P_dest)
     return P_src._memo_with(P_dest, ("broadcast", transpose_src, transpose_dest),
                             lambda: P_src.create_broadcast_partition_to(P_dest, transpose_src, transpose_dest))
 
