@@ -85,7 +85,7 @@ def _fresh_output(name: str, comm: MPI.Comm, n: int):
         comm.Allreduce(x.numpy(), y.numpy())
         return y
 
-    def broadcast_():  # the root keeps a copy of what it sends (distdl's copies on write only)
+    def broadcast_():  # the root keeps a copy of what it sends, as distdl's does
         y = x.clone() if comm.rank == 0 else torch.empty(n)
         comm.Bcast(y.numpy(), root=0)
         return y

@@ -4,7 +4,8 @@
 and the grid of root ranks. ``describe(P, global_shape)`` adds, per worker, the block of a tensor
 of ``global_shape`` it holds (start, stop and shape, the balanced decomposition every layer uses).
 Neither communicates: every worker knows the members of a partition it derived, so any worker,
-active or not, may call them and print the same text (the line of the calling worker is marked).
+active or not, may call them and print the same text (the line of the calling worker is marked); a
+sub-grid taken on a worker outside its parent is the exception: that worker does not know its members.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Every partition is derived from a *root* partition that wraps a user communicator
 (``MPIPartition(MPI.COMM_WORLD)``). A partition records its members as ranks of that root,
-so every worker -- member or not -- knows who belongs to it without communicating. New
+so every worker -- member or not -- knows who belongs to it without communicating (except a
+sub-grid taken on a worker outside its parent, which has no fibre to know). New
 communicators are made with ``MPI_Comm_create_group``, which is collective over the members of
 the new partition only: workers outside it never block, and ranks that build partitions over
 disjoint sets of workers in different orders cannot deadlock each other.

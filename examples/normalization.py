@@ -2,7 +2,7 @@
 
 Run: mpiexec -n 4 python examples/normalization.py
 Look at: BatchNorm1d of a (6, 3, 10) tensor split 2 ways over the batch and 2 ways over the length:
-every worker normalises with the global per-channel mean and variance (one all-sum-reduce), and the
+every worker normalises with the global per-channel mean and variance (two small all-sum-reduces), and the
 running statistics match torch's. LayerNorm(10) of a (6, 10) tensor split 2 x 2 normalises each row
 over features held by two workers. Outputs and input gradients equal torch's.
 """

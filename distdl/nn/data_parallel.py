@@ -119,8 +119,9 @@ class DataParallel(torch.nn.Module):
     them complete when backward ends, before anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`. Every member of ``P``
-    must run backward through the module. Hooks run in the backward thread: for parameters
-    on a GPU, the MPI library needs ``MPI_THREAD_MULTIPLE``.
+    must run backward through the module. For parameters on a GPU the hooks run in autograd's
+    thread for the device (the calling thread waits): ``MPI_THREAD_SERIALIZED`` suffices with one
+    device per rank, ``MPI_THREAD_MULTIPLE`` is needed with several (see the GPU docs).
     """
 
     def __init__(self, module: torch.nn.Module, P: MPIPartition, bucket_cap_mb: float = 25,
