@@ -175,12 +175,78 @@ def test_hybrid_model_and_data_parallel(P_world, comm):
 @sizes(2, 3)
 def test_wrap_broadcasts_parameters_and_buffers(P_world, comm):
     model = _mlp(seed=20 + comm.rank)  # replicas start different on purpose
+    model[2].requires_grad_(False)  # frozen parameters are broadcast too
     model.register_buffer("steps", torch.tensor([comm.rank + 5]))
     wrapped = DataParallel(model, P_world)
     for p, q in zip(wrapped.parameters(), _mlp(seed=20).parameters()):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
     assert model.steps.item() == 5
     assert wrapped.module is model
+
+
+class _Scaled(torch.nn.Module):
+    """``w * x`` summed: ``w``'s gradient is ``x``; with ``x`` one 40000-vector, 320 KB (reduced in place)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(n, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+@sizes(2, 3)
+def test_a_dropped_wrapper_stops_reducing(P_world, comm):
+    """A wrapper holds its hooks, not the other way round: dropped, it is freed at once and reduces nothing more;
+    while it lives, wrapping its parameters again raises on every worker instead of reducing them twice."""
+    for n in (3, 40000):
+        model = _Scaled(n)
+        first = DataParallel(model, P_world, op="sum")
+        with pytest.raises(ValueError, match=r"DataParallel: expected parameters that no other DataParallel "
+                                             rf"reduces, got one of shape \({n},\) that a live DataParallel"):
+            DataParallel(model, P_world)
+        first(torch.full((n,), comm.rank + 1.0)).backward()
+        gone = weakref.ref(first)
+        del first  # no garbage collection needed: nothing refers to it now
+        assert gone() is None
+        model.w.grad = None
+        x = random_tensor((n,), seed=comm.rank)
+        model(x).backward()  # the bare module: local gradients, no collective
+        torch.testing.assert_close(model.w.grad, x, rtol=0, atol=0)
+        model.w.grad = None
+        second = DataParallel(model, P_world, op="sum")  # kept: a wrapper reduces while it lives
+        second(x).backward()  # and a new one reduces once
+        torch.testing.assert_close(model.w.grad, sum(random_tensor((n,), seed=r) for r in range(comm.size)))
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.reentrant, self.first, self.last = reentrant, torch.nn.Linear(4, 3).double(), torch.nn.Linear(3, 2).double()
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.last, self.first(x), use_reentrant=self.reentrant)
+
+
+@sizes(1, 2, 3)
+def test_checkpointed_last_layer(P_world, comm):
+    """Checkpointing the last layer without reentrancy gives the full batch's gradients; reentrant, its backward
+    ends before the first layer's gradients exist, which raises on every worker instead of reducing twice."""
+    x = random_tensor((2, 4), seed=80 + comm.rank)
+    full = torch.cat([random_tensor((2, 4), seed=80 + r) for r in range(comm.size)])
+    model = _Checkpointed(reentrant=False)
+    wrapped = DataParallel(model, P_world, op="sum")  # rank 0's weights everywhere
+    expected = torch.autograd.grad(model(full).sum(), list(model.parameters()))  # accumulates nothing: no hooks
+    wrapped(x).sum().backward()
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
+    wrapped = DataParallel(_Checkpointed(reentrant=True), P_world, op="sum")
+    if comm.size == 1:  # nothing to reduce: no hooks
+        wrapped(x).sum().backward()
+        return
+    with pytest.raises(RuntimeError, match="DataParallel: expected every gradient of the module within one "
+                                           "backward, got a backward that ended inside another"):
+        wrapped(x).sum().backward()
 
 
 class _Branchy(torch.nn.Module):

@@ -27,6 +27,7 @@ outside P                       nothing (its gradients are left as they are)
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 import zlib
 from collections import Counter
@@ -113,7 +114,7 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
 class DataParallel(torch.nn.Module):
     """Wrap ``module`` so that backward reduces its gradients over ``P``, overlapped with backward.
 
-    At construction the parameters and buffers are broadcast from rank 0 of ``P``. During
+    At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of ``P``. During
     backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum
     of the bucket starts (buckets start in a fixed order, the same on every member); all of
     them complete when backward ends, before anyone can read ``.grad``.
@@ -122,6 +123,12 @@ class DataParallel(torch.nn.Module):
     must run backward through the module. For parameters on a GPU the hooks run in autograd's
     thread for the device (the calling thread waits): ``MPI_THREAD_SERIALIZED`` suffices with one
     device per rank, ``MPI_THREAD_MULTIPLE`` is needed with several (see the GPU docs).
+
+    The wrapper reduces while it lives (keep it, as with torch's DDP); one wrapper at a time reduces a
+    parameter: wrapping it again while an earlier wrapper lives raises ValueError (drop the earlier one
+    first; its hooks go with it). A backward that ends inside another
+    before the module's gradients are all ready (reentrant checkpointing of its last layers) raises
+    RuntimeError: use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
     """
 
     def __init__(self, module: torch.nn.Module, P: MPIPartition, bucket_cap_mb: float = 25,
@@ -131,17 +138,26 @@ class DataParallel(torch.nn.Module):
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
         self._divisor = P.size if op == "avg" else 1
         self._buckets = _plan("DataParallel", params, bucket_cap_mb)
-        self._sync, self._in_flight = True, False
+        self._sync, self._in_flight, self._task = True, False, -1
         if not P.active or P.size == 1:
             return
+        for p in params:  # every member raises alike, before any collective
+            if _REDUCING.get(id(p)) is not None:
+                raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got one of "
+                                 f"shape {tuple(p.shape)} that a live DataParallel already reduces (drop it first)")
         self._comm = _communicator(P)
-        buffers = list(module.buffers())
-        _check_agreement("DataParallel", P, _signature(self._buckets, params + buffers))
+        states = list(module.parameters()) + list(module.buffers())
+        _check_agreement("DataParallel", P, _signature(self._buckets, states))
         with torch.no_grad():
-            for t in params + buffers:
+            for t in states:
                 _broadcast(t, P.comm)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, index=index: self._gradient_ready(p, index))
-                       for index, bucket in enumerate(self._buckets) for p in bucket.params]
+        # The hooks hold the wrapper weakly and go with it: a dropped wrapper neither lingers nor reduces.
+        me = weakref.ref(self)
+        hooks = [p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, me, index))
+                 for index, bucket in enumerate(self._buckets) for p in bucket.params]
+        weakref.finalize(self, _remove, hooks)
+        for p in params:
+            _REDUCING[id(p)] = self
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -170,7 +186,12 @@ class DataParallel(torch.nn.Module):
             return
         _check_dense("DataParallel", p)
         if not self._in_flight:
-            self._in_flight, self._next = True, 0
+            task = torch._C._current_graph_task_id()  # graph tasks are numbered as they begin
+            if task < self._task:  # the last round ended with a backward nested in this one
+                raise RuntimeError("DataParallel: expected every gradient of the module within one backward, got a "
+                                   "backward that ended inside another before they were all ready (reentrant "
+                                   "checkpointing: use use_reentrant=False)")
+            self._task, self._in_flight, self._next = task, True, 0
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
             self._claimed: set[int] = set()
@@ -184,6 +205,22 @@ class DataParallel(torch.nn.Module):
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
             self._buckets[self._next].start(self._comm, self._claimed, self._divisor)
             self._next += 1
+
+
+# id of a parameter -> the live DataParallel reducing it (which holds the parameter, so the id stays its own)
+_REDUCING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
+    """A parameter's hook: tell its DataParallel, while that lives, that ``p``'s gradient is ready."""
+    found = wrapper()
+    if found is not None:
+        found._gradient_ready(p, index)
+
+
+def _remove(hooks: list) -> None:
+    for hook in hooks:
+        hook.remove()
 
 
 class _Bucket:
