@@ -91,6 +91,23 @@ def test_sequence_disagreement(P_world, comm):
     assert str(info.value) == f"all_sum_reduce: ranks disagree on call number: {_clause(groups)}"
 
 
+@sizes(2, 3, 4)
+@pytest.mark.parametrize("skipped", ["all_gather", "reduce_scatter"])
+def test_a_skipped_primitive_is_named_before_any_data_moves(P_world, comm, skipped):
+    """Rank 0 skips a call its peers make and goes on to the next one: every rank raises, naming both, before
+    the skipped primitive's header round could pair with the next one's messages (MPI would abort)."""
+    P = P_world.create_cartesian_topology_partition((comm.size, 1))
+    call = {"all_gather": lambda x: distdl.functional.all_gather(x, P, axes_all_gather=(0,)),
+            "reduce_scatter": lambda x: distdl.functional.reduce_scatter(x, P, axes_reduce_scatter=(0,))}[skipped]
+    x = torch.rand(4, 3)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        if comm.rank != 0:
+            call(x)
+        distdl.functional.all_sum_reduce(x, P, axes_reduce=(0,))
+    groups = {"all_sum_reduce": [0], skipped: list(range(1, comm.size))}
+    assert f": ranks disagree on primitive: {_clause(groups)}; and on " in str(info.value)  # and on their facts
+
+
 @sizes(2, 3)
 def test_several_disagreements_and_custom_facts(P_world, comm):
     facts = {"axes": (comm.rank % 2,), "halo": [1, 1]}

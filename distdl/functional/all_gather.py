@@ -65,9 +65,11 @@ def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int
     fibre = member_plan(where, x, P_x, axes_all_gather, axes_keep, "axes_all_gather", summed=False)
     if fibre is None:
         return x.clone()
+    # In check mode, before the header round (whose message a mismatched collective would truncate); the
+    # headers then check dtypes and shapes with their own errors.
+    verify(where, fibre.P_fibre, x, ("dim", "device"))
     messages = exchange(where, fibre.P_fibre, x)
     plan = _agreed_layout(where, fibre, messages)
-    verify(where, fibre.P_fibre, x, ("dim", "dtype", "device"))
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _gather(x, fibre.P_fibre, plan, messages)
     return _AllGather.apply(in_graph(x), (P_x, fibre, plan, messages))  # one argument: each costs autograd ~1 us

@@ -62,10 +62,10 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
     P_fibre, axes = fibre.P_fibre, fibre.axes
     # The headers are a safety check here (every member holds the full shape): members that
     # disagree all raise instead of posting mismatched reductions. Small tensors ride along.
+    verify(where, P_fibre, x, ("device",))  # in check mode, before the header round (see all_gather)
     messages = exchange(where, P_fibre, x)
     plan = agreed(where, P_fibre, ("agreed", where, axes), messages,
                   lambda shapes: layout(P_fibre.shape, axes, _same_shape(where, P_fibre, shapes)))
-    verify(where, P_fibre, x)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _reduce_scatter(x, P_fibre, plan, messages)
     return _ReduceScatter.apply(in_graph(x), (P_x, fibre, plan, messages))  # one argument: each costs autograd ~1 us
