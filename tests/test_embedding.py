@@ -1,5 +1,6 @@
 """DistributedEmbedding: forward and table gradients equal torch's, with the embedding dimension split."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,8 +124,10 @@ def test_errors(P_world, comm):
     for option, value in (("max_norm", 1.0), ("norm_type", 1.0), ("scale_grad_by_freq", True), ("sparse", True)):
         with pytest.raises(ValueError, match=rf"{name}: expected {option}=.* \(not supported\), got {value}"):
             DistributedEmbedding(P_x, 5, 3, **{option: value})
-    with pytest.raises(ValueError, match=rf"{name}: expected a padding_idx in \[-5, 5\), got 5"):
-        DistributedEmbedding(P_x, 5, 3, padding_idx=5)
+    for bad in (5, True, 1.0):
+        with pytest.raises(ValueError, match=rf"{name}: expected an integer padding_idx in \[-5, 5\), got {bad}"):
+            DistributedEmbedding(P_x, 5, 3, padding_idx=bad)
+    assert DistributedEmbedding(P_x, 5, 3, padding_idx=np.int64(-2)).padding_idx == 3  # as torch takes it
     with pytest.raises(ValueError, match=rf"{name}: expected a non-negative embedding_dim, got -3"):
         DistributedEmbedding(P_x, 5, -3)
     layer = DistributedEmbedding(P_x, 5, 3)

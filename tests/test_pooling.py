@@ -99,6 +99,13 @@ def test_errors(P_world, comm):
     with pytest.raises(ValueError, match=r"DistributedMaxPool1d: expected stride as an int or a sequence of 1, "
                                          r"each at least 1"):
         pooling.DistributedMaxPool1d(P_x, 3, stride=(0,))
+    for pool in (pooling.DistributedMaxPool1d, pooling.DistributedAvgPool1d):  # 0 is not None (torch rejects it)
+        with pytest.raises(ValueError, match=rf"{pool.__name__}: expected stride as an int or a sequence of 1"):
+            pool(P_x, 2, stride=0)
+    # torch's positions: MaxPool1d(2, 2, 0, 1, True) asks for indices, not ceil_mode
+    with pytest.raises(ValueError, match=r"DistributedMaxPool1d: expected return_indices=False"):
+        pooling.DistributedMaxPool1d(P_x, 2, 2, 0, 1, True)
+    assert pooling.DistributedMaxPool1d(P_x, 2, 2, 0, 1, False, True).ceil_mode
     with pytest.raises(TypeError, match=r"DistributedMaxPool1d: expected a bool for ceil_mode, got 1"):
         pooling.DistributedMaxPool1d(P_x, 3, ceil_mode=1)
     layer = pooling.DistributedAvgPool1d(P_x, 3)

@@ -86,6 +86,9 @@ def test_errors(P_world, comm):
         DistributedUpsample(P_x, scale_factor=2, align_corners=True)
     with pytest.raises(ValueError, match="expected exactly one of size and scale_factor, got size=None"):
         DistributedUpsample(P_x)
+    with pytest.raises(ValueError, match=r"expected recompute_scale_factor only with scale_factor \(as torch\), got "
+                                         r"it with size=5"):
+        DistributedUpsample(P_x, size=5, recompute_scale_factor=True)
     with pytest.raises(ValueError, match=r"expected scale_factor as a positive number or 1 of them, got -1"):
         DistributedUpsample(P_x, scale_factor=-1)
     layer = DistributedUpsample(P_x, scale_factor=2, mode="linear")

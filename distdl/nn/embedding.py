@@ -16,6 +16,8 @@ outside P_x                 passes and gets a zero-volume tensor; holds a zero-v
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor
@@ -59,10 +61,11 @@ class DistributedEmbedding(CollectStateMixin, torch.nn.Module):
             if value != default:
                 raise ValueError(f"{name}: expected {option}={default!r} (not supported), got {value!r}")
         if padding_idx is not None:
-            if not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"{name}: expected a padding_idx in [{-num_embeddings}, {num_embeddings}), "
-                                 f"got {padding_idx!r}")
-            padding_idx %= num_embeddings
+            if (isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Integral)
+                    or not -num_embeddings <= padding_idx < num_embeddings):
+                raise ValueError(f"{name}: expected an integer padding_idx in [{-num_embeddings}, "
+                                 f"{num_embeddings}), got {padding_idx!r}")
+            padding_idx = int(padding_idx) % num_embeddings
         self.P_x, self.padding_idx = P_x, padding_idx
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.axes_replicated = tuple(range(P_x.dim - 1))

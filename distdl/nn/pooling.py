@@ -40,8 +40,9 @@ Size = int | tuple[int, ...]
 class _DistributedPoolNd(torch.nn.Module):
     """Pool ``(N, C, *spatial)`` tensors partitioned by ``P_x`` (``d + 2`` dimensions; any axis may be split).
 
-    Args and defaults are torch's (``stride=None``: the kernel size); ``return_indices`` is not offered
-    (indices would be local to the window), and the average pools accept ``divisor_override`` in 1-d too.
+    Args, their order and defaults are torch's (``stride=None``: the kernel size); the max pools reject
+    ``return_indices=True`` (indices would be local to the window), and the average pools accept
+    ``divisor_override`` in 1-d too.
     Raises:
         ValueError: a partition of the wrong dimension, or arguments torch would reject.
     """
@@ -56,7 +57,7 @@ class _DistributedPoolNd(torch.nn.Module):
             raise ValueError(f"{name}: expected a partition of {d + 2} dimensions, got shape {P_x.shape}")
         self.P_x = P_x
         self.kernel_size = _windows.as_tuple(name, "kernel_size", kernel_size, d, minimum=1)
-        self.stride = _windows.as_tuple(name, "stride", stride or kernel_size, d, minimum=1)
+        self.stride = _windows.as_tuple(name, "stride", kernel_size if stride is None else stride, d, minimum=1)
         self.padding = _windows.as_tuple(name, "padding", padding, d)
         self.dilation = _windows.as_tuple(name, "dilation", dilation, d, minimum=1)
         (self.ceil_mode,) = check_flags(name, ceil_mode=ceil_mode)
@@ -89,9 +90,12 @@ class _DistributedPoolNd(torch.nn.Module):
 class _DistributedMaxPoolNd(_DistributedPoolNd):
 
     def __init__(self, P_x: MPIPartition, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
-                 dilation: Size = 1, ceil_mode: bool = False) -> None:
+                 dilation: Size = 1, return_indices: bool = False, ceil_mode: bool = False) -> None:
         super().__init__()
         self._setup(P_x, kernel_size, stride, padding, dilation, ceil_mode)
+        if check_flags(type(self).__name__, return_indices=return_indices)[0]:
+            raise ValueError(f"{type(self).__name__}: expected return_indices=False (indices would be local to "
+                             "each worker's window)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of the max pooling; zero-volume outside ``P_x``."""

@@ -101,6 +101,9 @@ class DistributedUpsample(torch.nn.Module):
         if (size is None) == (scale_factor is None):
             raise ValueError(f"{name}: expected exactly one of size and scale_factor, got size={size!r}, "
                              f"scale_factor={scale_factor!r}")
+        if size is not None and recompute_scale_factor:
+            raise ValueError(f"{name}: expected recompute_scale_factor only with scale_factor (as torch), got it "
+                             f"with size={size!r}")
         self.P_x, self.mode, self.align_corners = P_x, mode, align_corners
         self.size = None if size is None else _windows.as_tuple(name, "size", size, d, minimum=1)
         self.scale_factor = None
