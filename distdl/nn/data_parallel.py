@@ -114,20 +114,20 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
 class DataParallel(torch.nn.Module):
     """Wrap ``module`` so that backward reduces its gradients over ``P``, overlapped with backward.
 
-    At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of ``P``. During
-    backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum
-    of the bucket starts (buckets start in a fixed order, the same on every member); all of
-    them complete when backward ends, before anyone can read ``.grad``.
+    At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of
+    ``P``. During backward, as soon as every parameter of a bucket has its gradient, a
+    non-blocking sum of the bucket starts (buckets start in a fixed order, the same on every
+    member); all of them complete when backward ends, before anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`. Every member of ``P``
     must run backward through the module. For parameters on a GPU the hooks run in autograd's
     thread for the device (the calling thread waits): ``MPI_THREAD_SERIALIZED`` suffices with one
     device per rank, ``MPI_THREAD_MULTIPLE`` is needed with several (see the GPU docs).
 
-    The wrapper reduces while it lives (keep it, as with torch's DDP); one wrapper at a time reduces a
-    parameter: wrapping it again while an earlier wrapper lives raises ValueError (drop the earlier one
-    first; its hooks go with it). A backward that ends inside another
-    before the module's gradients are all ready (reentrant checkpointing of its last layers) raises
+    The wrapper reduces while it lives (keep it, as with torch's DDP). One wrapper at a time
+    reduces a parameter: wrapping it again while an earlier wrapper lives raises ValueError (drop
+    the earlier one first; its hooks go with it). A backward that ends inside another before the
+    module's gradients are all ready (reentrant checkpointing of its last layers) raises
     RuntimeError: use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
     """
 
@@ -141,10 +141,11 @@ class DataParallel(torch.nn.Module):
         self._sync, self._in_flight, self._task = True, False, -1
         if not P.active or P.size == 1:
             return
-        for p in params:  # every member raises alike, before any collective
-            if _REDUCING.get(id(p)) is not None:
-                raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got one of "
-                                 f"shape {tuple(p.shape)} that a live DataParallel already reduces (drop it first)")
+        taken = [tuple(p.shape) for p in params if _REDUCING.get(id(p)) is not None]
+        if P.comm.allreduce(bool(taken), op=MPI.LOR):  # every member raises, whichever found it
+            raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got "
+                             f"{'one of shape ' + str(taken[0]) if taken else 'one on another member'} that a live "
+                             "DataParallel already reduces (drop it first)")
         self._comm = _communicator(P)
         states = list(module.parameters()) + list(module.buffers())
         _check_agreement("DataParallel", P, _signature(self._buckets, states))
