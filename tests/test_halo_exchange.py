@@ -1,5 +1,7 @@
 """HaloExchange: forward against slices of the global tensor, adjoint tests, edges, dtypes and errors."""
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -226,3 +228,21 @@ def test_neighbours_that_disagree_are_detected(P_world, comm):
             halo_exchange(x, P_world, halo, recv, send)
     else:
         halo_exchange(x, P_world, halo, recv, send)
+
+
+@sizes(3)
+def test_pack_buffers_live_until_their_sends_complete(P_world, comm, monkeypatch):
+    """Column slabs are packed through cached buffers; a cache cleared in mid-exchange (here on every new
+    buffer) must not free a pack whose send is still in flight (its memory went to the next buffer)."""
+    monkeypatch.setattr(importlib.import_module("distdl.functional.halo_exchange"), "_MAX_SCRATCH", 1)
+    P = P_world.create_cartesian_topology_partition((1, 3))
+    i = P.index[1]
+    widths = [[0, 0], [2 if i > 0 else 0, 2 if i < 2 else 0]]
+    n = 4 + sum(widths[1])
+    for rows in (12288, 3):  # 96 KiB slabs (sent by rendezvous, after the next buffer is made), then small ones
+        x = torch.full((rows, n), float(comm.rank))
+        y = halo_exchange(x, P, widths, widths, widths)
+        if i > 0:
+            assert torch.equal(y[:, :2], torch.full((rows, 2), float(comm.rank - 1)))
+        if i < 2:
+            assert torch.equal(y[:, n - 2:], torch.full((rows, 2), float(comm.rank + 1)))

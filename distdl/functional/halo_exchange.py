@@ -164,7 +164,7 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
         ghost = ((halo[d][0] - recv[d][0], recv[d][0]), (n - halo[d][1], recv[d][1]))
         interior = ((halo[d][0], send[d][0]), (n - halo[d][1] - send[d][1], send[d][1]))
         outgoing, incoming = (ghost, interior) if adjoint else (interior, ghost)
-        requests, arrivals = [], []
+        requests, arrivals, packs = [], [], []  # the packs too stay referenced until the sends complete
         for side, peer in enumerate(neighbors(P_x)[d]):
             if peer == MPI.PROC_NULL:
                 continue
@@ -174,6 +174,7 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
             requests.append(P_x.comm.Irecv(transport.buffer(arrival), source=peer, tag=_TAG + 2 * d + 1 - side))
             requests.append(P_x.comm.Isend(transport.buffer(packed), dest=peer, tag=_TAG + 2 * d + side))
             arrivals.append((side, peer, into, arrival))
+            packs.append(packed)
         _wait(where, P_x, d, requests, arrivals)
         for side, _, into, arrival in arrivals:
             if adjoint:
