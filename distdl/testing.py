@@ -1,9 +1,10 @@
 """Checks for distributed operators and layers, for distdl's tests and for users' own layers.
 
 - :func:`assert_adjoint`: the dot-product test ``<F x, y> == <x, F* y>`` summed over workers, in
-  float64 with random, rank-varying ``y``; every worker asserts.
+  float64 with random, rank-varying ``x`` and ``y``; every worker asserts.
 - :func:`assert_sequential_equivalence`: scatter a global tensor, run the distributed operator,
-  and compare outputs and input gradients with the sequential operator on every worker.
+  and compare outputs and input gradients with the sequential operator; a difference on any worker
+  raises on every worker.
 - :func:`scatter` / :func:`gather`: a global tensor to and from its balanced decomposition.
 """
 
@@ -23,9 +24,11 @@ __all__ = ["assert_adjoint", "assert_sequential_equivalence", "scatter", "gather
 
 
 def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Return a standard normal tensor from ``seed`` (same on every worker for the same seed)."""
+    """Return a standard normal tensor from ``seed`` (same on every worker for the same seed); complex for a
+    complex ``dtype`` (random real and imaginary parts)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(tuple(shape), generator=generator, dtype=torch.float64).to(dtype)
+    draw = torch.complex128 if dtype.is_complex else torch.float64
+    return torch.randn(tuple(shape), generator=generator, dtype=draw).to(dtype)
 
 
 def scatter(x_global: torch.Tensor, P: MPIPartition, preserve_batch: bool = False) -> torch.Tensor:
@@ -45,16 +48,26 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
     """Return the global tensor assembled from the blocks of ``P`` on every worker of P's root.
 
     Collective over the root communicator (every worker calls it); for tests, not for speed.
+    Raises ValueError on every worker unless the blocks share one dtype and are the blocks of a
+    balanced decomposition (so a wrong block is never cast or written over another).
     """
     blocks = P._root.allgather((P.index, x_local.detach().cpu().clone()) if P.active else None)
     blocks = {index: block for item in blocks if item is not None for index, block in [item]}
+    first = next(iter(blocks.values()))  # the same block on every worker (root rank order)
+    for index, block in blocks.items():
+        if block.dim() != P.dim or block.dtype != first.dtype:
+            raise ValueError(f"gather: expected blocks of {P.dim} dimensions and one dtype, got shape "
+                             f"{tuple(block.shape)} of {block.dtype} at index {index}")
     shape = [sum(blocks[tuple(i if a == axis else 0 for a in range(P.dim))].shape[axis]
                  for i in range(P.shape[axis])) for axis in range(P.dim)]
-    some = next(iter(blocks.values()))
-    out = some.new_empty(shape)
+    out = first.new_empty(shape)
     for index, block in blocks.items():
         start = compute_start_index(P.shape, index, shape)
-        out[tuple(slice(a, a + n) for a, n in zip(start, block.shape))] = block
+        stop = compute_stop_index(P.shape, index, shape)
+        if tuple(block.shape) != tuple(int(b - a) for a, b in zip(start, stop)):
+            raise ValueError(f"gather: expected the blocks of a balanced decomposition of shape {tuple(shape)}, got "
+                             f"shape {tuple(block.shape)} at index {index}")
+        out[tuple(slice(a, b) for a, b in zip(start, stop))] = block
     return out.to(x_local.device)
 
 
@@ -77,18 +90,21 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
                    seed: int = 0, rtol: float = 1e-10, adjoint_of_adjoint: bool = True) -> None:
     """Assert that the backward of the distributed linear operator ``op`` is its adjoint.
 
-    Every worker of ``comm`` calls this with its local input ``x``; ``y`` is drawn per rank
-    (rank-varying), the inner products are summed over ``comm`` and every worker asserts. With
-    ``adjoint_of_adjoint``, the double backward is checked to be the adjoint of the backward.
+    Every worker of ``comm`` calls this with its local input ``x``, which gives the shape and device:
+    the values are replaced by random ones, as is ``y``, both drawn per rank (a linear operator's
+    adjoint does not depend on them, and zeros or ones could hide a wrong one). The inner products are
+    summed over ``comm`` and every worker asserts. With ``adjoint_of_adjoint``, the double backward is
+    checked to be the adjoint of the backward.
     """
-    x = x.detach().to(torch.float64).requires_grad_()
+    base = seed * 100003 + 3 * comm.rank
+    x = random_tensor(x.shape, base).to(x.device).requires_grad_()
     y = op(x)
-    dy = random_tensor(y.shape, seed * 100003 + 2 * comm.rank + 1).to(y.device).requires_grad_()
+    dy = random_tensor(y.shape, base + 1).to(y.device).requires_grad_()
     dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
     forward, adjoint = _allsum(comm, [(y.detach() * dy.detach()).sum(), (x.detach() * dx.detach()).sum()])
     _assert_close("assert_adjoint", comm, forward, adjoint, rtol)
     if adjoint_of_adjoint:
-        v = random_tensor(x.shape, seed * 100003 + 2 * comm.rank + 2).to(x.device)
+        v = random_tensor(x.shape, base + 2).to(x.device)
         dv = _vjp(dx, dy, v, create_graph=False)
         backward, double = _allsum(comm, [(dx.detach() * v).sum(), (dy.detach() * dv).sum()])
         _assert_close("assert_adjoint (adjoint of the adjoint)", comm, backward, double, rtol)
@@ -102,26 +118,48 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
 
     Every worker holds ``x_global``; inputs are scattered over ``P_x``, outputs compared with the
     blocks of the sequential output over ``P_y``, then a global random cotangent (whose blocks
-    differ per worker) is pulled back and input gradients compared. Every worker asserts.
-    Returns this worker's ``(x_local, y_local)`` for further checks (parameter gradients).
+    differ per worker) is pulled back and input gradients compared. A difference on any worker raises
+    AssertionError on every worker of the root partition (before the backward, for the forward), so no
+    worker is left waiting in a collective. Returns this worker's ``(x_local, y_local)`` for further
+    checks (parameter gradients).
     """
     x_ref = x_global.detach().clone().requires_grad_()
     y_ref = sequential(x_ref)
     x_local = scatter(x_global.detach(), P_x).requires_grad_()
     y_local = distributed(x_local)
     expected = scatter(y_ref.detach(), P_y)
-    rank = P_x._root.rank
+    root, rank = P_x._root, P_x._root.rank
+    failure = None
     if P_y.active:
-        torch.testing.assert_close(y_local.detach(), expected, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"forward differs from the sequential result on rank {rank}: {m}")
+        failure = _difference(y_local.detach(), expected, rtol, atol,
+                              f"forward differs from the sequential result on rank {rank}")
     elif y_local.numel() != 0:
-        raise AssertionError(f"rank {rank} is outside P_y but got output of shape {tuple(y_local.shape)}")
+        failure = f"rank {rank} is outside P_y but got output of shape {tuple(y_local.shape)}"
+    _agree(root, failure)
     dy_global = random_tensor(y_ref.shape, seed + 7777, y_ref.dtype)
     y_ref.backward(dy_global)
     dy_local = scatter(dy_global, P_y)
     y_local.backward(dy_local if P_y.active else torch.zeros_like(y_local))
     expected_grad = scatter(x_ref.grad, P_x)
+    failure = None
     if P_x.active:
-        torch.testing.assert_close(x_local.grad, expected_grad, rtol=rtol, atol=atol,
-                                   msg=lambda m: f"input gradient differs on rank {rank}: {m}")
+        failure = _difference(x_local.grad, expected_grad, rtol, atol, f"input gradient differs on rank {rank}")
+    _agree(root, failure)
     return x_local, y_local
+
+
+def _difference(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float, atol: float,
+                what: str) -> str | None:
+    """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close."""
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as error:
+        return f"{what}: {error}"
+    return None
+
+
+def _agree(comm: MPI.Comm, failure: str | None) -> None:
+    """Raise AssertionError on every worker of ``comm`` if any worker has a ``failure``, quoting them all."""
+    failures = [f for f in comm.allgather(failure) if f is not None]
+    if failures:
+        raise AssertionError("\n".join(failures))

@@ -1,0 +1,94 @@
+"""The test kit users check their own layers with: a wrong layer fails, on every worker, without a hang."""
+
+import pytest
+import torch
+
+from distdl.functional.repartition import repartition
+from distdl.testing import assert_adjoint, assert_sequential_equivalence, gather, random_tensor, scatter
+from helpers import sizes
+
+
+def _pair(P_world, comm):
+    """A repartition from rows to columns: its backward is collective, so a worker that left early would hang."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    P_y = P_world.create_cartesian_topology_partition((1, comm.size))
+    return P_x, P_y, lambda x: repartition(x, P_x, P_y)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("wrong", ["forward", "gradient"])
+def test_a_difference_on_one_worker_fails_on_every_worker(P_world, comm, wrong):
+    P_x, P_y, op = _pair(P_world, comm)
+
+    def distributed(x):
+        y = op(x)
+        if comm.rank != 1:
+            return y
+        if wrong == "forward":  # one element off
+            return y + torch.nn.functional.one_hot(torch.tensor(0), y.shape[-1]) * 1e-3
+        return _OffGradient.apply(y)  # right values; one element of the cotangent off
+    what = "forward differs from the sequential result on rank 1" if wrong == "forward" else "input gradient differs"
+    with pytest.raises(AssertionError, match=what):
+        assert_sequential_equivalence(distributed, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)
+    assert_sequential_equivalence(op, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)  # and the right one
+
+
+class _OffGradient(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[:1] *= 1.001
+        return grad
+
+
+@sizes(1, 2)
+def test_complex_random_tensors_and_cotangents(P_world, comm):
+    z = random_tensor((64,), seed=3, dtype=torch.complex128)
+    assert z.imag.abs().max() > 0.5 and z.real.abs().max() > 0.5
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    with pytest.raises(AssertionError, match="input gradient differs"):  # a backward that drops the imaginary part
+        assert_sequential_equivalence(lambda x: _RealGradient.apply(x), lambda x: x, z, P, P)
+
+
+class _RealGradient(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.complex(grad.real, torch.zeros_like(grad.real))
+
+
+@sizes(1, 2)
+def test_adjoint_probe_is_random(P_world, comm):
+    """A wrong adjoint is caught whatever x the caller passes (zeros made both inner products 0)."""
+    with pytest.raises(AssertionError, match="assert_adjoint"):
+        assert_adjoint(lambda x: _Flipped.apply(x), torch.zeros(6), comm, adjoint_of_adjoint=False)
+
+
+class _Flipped(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.flip(0)
+
+
+@sizes(2, 3)
+def test_gather_refuses_blocks_it_would_cast_or_misplace(P_world, comm):
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    x = scatter(random_tensor((2 * comm.size + 1,), seed=4), P)
+    with pytest.raises(ValueError, match="gather: expected blocks of 1 dimensions and one dtype"):
+        gather(x.float() if comm.rank == 1 else x, P)
+    with pytest.raises(ValueError, match="gather: expected the blocks of a balanced decomposition"):
+        gather(torch.ones(3 if comm.rank == 0 else 1), P)
