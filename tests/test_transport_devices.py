@@ -143,3 +143,52 @@ def test_layers_on_device(P_world, comm, device):
         torch.testing.assert_close(gx_d, gx_c)
         for a, b in zip(gp_d, gp_c):
             torch.testing.assert_close(a, b)
+
+
+def test_staged_gradients_own_their_memory(monkeypatch):
+    """The gradient a staged output passes back to its primitive is not the reusable buffer: autograd may stage
+    the next one (on the device's thread) before that primitive's adjoint has read it (on the CPU's)."""
+    monkeypatch.setattr(cuda, "stage_cpu_for_tests", True)
+    leaves = [torch.zeros(4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    cotangents = [random_tensor((4,), seed=s) for s in (1, 2)]
+    grads = [torch.autograd.grad(cuda._ToDevice.apply(h, torch.device("cpu")), h, g)[0]
+             for h, g in zip(leaves, cotangents)]
+    for grad, g in zip(grads, cotangents):
+        assert torch.equal(grad, g)
+
+
+@sizes(1, 2)
+def test_staged_calls_by_keyword(P_world, comm, monkeypatch):
+    """The staging wrapper finds the tensor by its name too (``y`` for the adjoints)."""
+    from distdl.functional.halo_exchange import halo_exchange_adjoint
+    monkeypatch.setattr(cuda, "stage_cpu_for_tests", True)
+    P_x = P_world.create_cartesian_topology_partition([comm.size])
+    widths = [[0, 0]]
+    y = random_tensor((3,), seed=comm.rank)
+    torch.testing.assert_close(halo_exchange_adjoint(y=y, P_x=P_x, halo_shape=widths, recv_buffer_shape=widths,
+                                                     send_buffer_shape=widths), y)
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@sizes(2, 3)
+def test_data_parallel_and_ring_layers_on_device(P_world, comm, device):
+    """DataParallel broadcasts staged parameters through the host; the overlapped linear layers take the plain
+    collectives where MPI cannot take the device's memory, with the same results."""
+    from distdl.nn import DataParallel, DistributedLinearAllGather, DistributedLinearReduceScatter
+    torch.manual_seed(comm.rank)  # replicas start different
+    model = torch.nn.Linear(3, 2).double().to(device)
+    DataParallel(model, P_world)
+    weights = comm.allgather(model.weight.detach().cpu())
+    assert all(torch.equal(w, weights[0]) for w in weights)
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    for layer in (DistributedLinearAllGather, DistributedLinearReduceScatter):
+        results = []
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            built = layer(P_f, 5, 4, overlap=overlap).double().to(device)
+            features = built.local_in_features
+            x = random_tensor((3, features), seed=comm.rank).to(device).requires_grad_()
+            y = built(x)
+            y.backward(random_tensor(y.shape, seed=10 + comm.rank).to(device))
+            results.append((y.detach().cpu(), x.grad.cpu()))
+        torch.testing.assert_close(results[0], results[1])

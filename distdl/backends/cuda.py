@@ -18,6 +18,7 @@ share one GPU; :func:`device_for_rank` maps each rank on a node to a device.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import subprocess
@@ -26,7 +27,7 @@ import sys
 import torch
 from mpi4py import MPI
 
-__all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged"]
+__all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged", "needs_staging"]
 
 _log = logging.getLogger("distdl")
 _mode: bool | None = None  # True: CUDA-aware, False: staged, None: not decided yet
@@ -85,7 +86,9 @@ def buffer_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type == "cuda" and not cuda_aware() else device
 
 
-def _needs_staging(x: torch.Tensor) -> bool:
+def needs_staging(x: torch.Tensor) -> bool:
+    """Whether MPI cannot take ``x``'s memory directly: a CUDA tensor without CUDA-aware MPI (or, for the
+    tests, a CPU tensor under ``stage_cpu_for_tests``)."""
     if x.is_cuda:
         return not cuda_aware()
     return stage_cpu_for_tests and x.device.type == "cpu"
@@ -101,10 +104,14 @@ def _pool(device: torch.device, nbytes: int) -> torch.Tensor:
     return pool
 
 
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    """Copy ``x`` into the reusable host buffer (stream-ordered, then waited for)."""
+def _to_host(x: torch.Tensor, reuse: bool) -> torch.Tensor:
+    """Copy ``x`` to the host (stream-ordered, then waited for): into the reusable buffer where the copy is
+    done with before the next one (``reuse``), else into memory of its own."""
     nbytes = x.numel() * x.element_size()
-    host = _pool(x.device, nbytes)[:nbytes].view(x.dtype).view(x.shape)
+    if reuse:
+        host = _pool(x.device, nbytes)[:nbytes].view(x.dtype).view(x.shape)
+    else:
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
     host.copy_(x, non_blocking=True)
     if x.is_cuda:
         torch.cuda.current_stream(x.device).synchronize()
@@ -114,13 +121,13 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
 class _ToHost(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, reuse):
         ctx.device = x.device
-        return _to_host(x)
+        return _to_host(x, reuse)
 
     @staticmethod
     def backward(ctx, grad):
-        return _ToDevice.apply(grad, ctx.device)
+        return _ToDevice.apply(grad, ctx.device), None
 
 
 class _ToDevice(torch.autograd.Function):
@@ -131,17 +138,24 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _ToHost.apply(grad), None
+        # Not the reusable buffer: autograd may stage the next gradient (on the device's thread) before the
+        # adjoint that reads this one has run (on the CPU's).
+        return _ToHost.apply(grad, False), None
 
 
 def host_staged(function):
     """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it."""
+    name = next(iter(inspect.signature(function).parameters))  # the tensor's, also when passed by keyword
+
     @functools.wraps(function)
-    def staged(x, *args, **kwargs):
-        if not isinstance(x, torch.Tensor) or not _needs_staging(x):
-            return function(x, *args, **kwargs)
+    def staged(*args, **kwargs):
+        x = args[0] if args else kwargs.get(name)
+        if not isinstance(x, torch.Tensor) or not needs_staging(x):
+            return function(*args, **kwargs)
         # The primitive never returns an alias of its input, so the pool is free again on return.
-        return _ToDevice.apply(function(_ToHost.apply(x), *args, **kwargs), x.device)
+        host = _ToHost.apply(x, True)
+        args, kwargs = ((host, *args[1:]), kwargs) if args else (args, {**kwargs, name: host})
+        return _ToDevice.apply(function(*args, **kwargs), x.device)
     return staged
 
 

@@ -121,8 +121,9 @@ class DataParallel(torch.nn.Module):
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`. Every member of ``P``
     must run backward through the module. For parameters on a GPU the hooks run in autograd's
-    thread for the device (the calling thread waits): ``MPI_THREAD_SERIALIZED`` suffices with one
-    device per rank, ``MPI_THREAD_MULTIPLE`` is needed with several (see the GPU docs).
+    thread for the device: ``MPI_THREAD_SERIALIZED`` suffices with CUDA-aware MPI and one device
+    per rank; staging through the host or several devices per rank need ``MPI_THREAD_MULTIPLE``
+    (see the GPU docs).
 
     The wrapper reduces while it lives (keep it, as with torch's DDP). One wrapper at a time
     reduces a parameter: wrapping it again while an earlier wrapper lives raises ValueError (drop
@@ -368,8 +369,8 @@ def _communicator(P: MPIPartition) -> MPI.Comm:
 
 
 def _broadcast(t: torch.Tensor, comm: MPI.Comm) -> None:
-    """Overwrite ``t`` with its value on rank 0 of ``comm``."""
-    data = transport.contiguous(t)
+    """Overwrite ``t`` with its value on rank 0 of ``comm`` (through a host copy where MPI cannot take it)."""
+    data = t.detach().to("cpu", copy=True).contiguous() if cuda.needs_staging(t) else transport.contiguous(t)
     transport.bcast(comm, transport.buffer(data))
     if data.data_ptr() != t.data_ptr():
         t.copy_(data)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
                                        in_graph)
@@ -275,7 +276,7 @@ class DistributedLinearAllGather(CollectStateMixin, torch.nn.Module):
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
                              f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
         weight = replicated(self.weight, self.P_x, self.axes_replicated)
-        if self.overlap:
+        if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = _all_gather_linear(name, x, weight, self.P_x, self.axis)[0]
         else:
             y = torch.nn.functional.linear(all_gather(x, self.P_x, axes_all_gather=(self.axis,)), weight)

@@ -29,6 +29,7 @@ import math
 import torch
 from mpi4py import MPI
 
+from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
                                        in_graph)
@@ -205,7 +206,7 @@ class DistributedLinearReduceScatter(CollectStateMixin, torch.nn.Module):
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
                              f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
         weight = replicated(self.weight, self.P_x, self.axes_replicated)
-        if self.overlap:
+        if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = linear_reduce_scatter(x, weight, self.P_y, self.axis)
         else:
             y = reduce_scatter(torch.nn.functional.linear(x, weight), self.P_y, axes_reduce_scatter=(self.axis,))
