@@ -222,7 +222,8 @@ def test_a_dropped_wrapper_stops_reducing(P_world, comm):
 class _Checkpointed(torch.nn.Module):
     def __init__(self, reentrant):
         super().__init__()
-        self.reentrant, self.first, self.last = reentrant, torch.nn.Linear(4, 3).double(), torch.nn.Linear(3, 2).double()
+        self.reentrant = reentrant
+        self.first, self.last = torch.nn.Linear(4, 3).double(), torch.nn.Linear(3, 2).double()
 
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(self.last, self.first(x), use_reentrant=self.reentrant)

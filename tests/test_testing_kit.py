@@ -8,6 +8,25 @@ from distdl.testing import assert_adjoint, assert_sequential_equivalence, gather
 from helpers import sizes
 
 
+class _Backward(torch.autograd.Function):
+    """The identity, whose backward is ``backward(grad)``: a wrong one for the kit to catch."""
+
+    @staticmethod
+    def forward(ctx, x, backward):
+        ctx.backward = backward
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward(grad), None
+
+
+def _one_element_off(grad):
+    grad = grad.clone()
+    grad.view(-1)[:1] *= 1.001
+    return grad
+
+
 def _pair(P_world, comm):
     """A repartition from rows to columns: its backward is collective, so a worker that left early would hang."""
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
@@ -26,24 +45,11 @@ def test_a_difference_on_one_worker_fails_on_every_worker(P_world, comm, wrong):
             return y
         if wrong == "forward":  # one element off
             return y + torch.nn.functional.one_hot(torch.tensor(0), y.shape[-1]) * 1e-3
-        return _OffGradient.apply(y)  # right values; one element of the cotangent off
+        return _Backward.apply(y, _one_element_off)  # right values; one element of the cotangent off
     what = "forward differs from the sequential result on rank 1" if wrong == "forward" else "input gradient differs"
     with pytest.raises(AssertionError, match=what):
         assert_sequential_equivalence(distributed, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)
     assert_sequential_equivalence(op, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)  # and the right one
-
-
-class _OffGradient(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, y):
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        grad.view(-1)[:1] *= 1.001
-        return grad
 
 
 @sizes(1, 2)
@@ -52,36 +58,16 @@ def test_complex_random_tensors_and_cotangents(P_world, comm):
     assert z.imag.abs().max() > 0.5 and z.real.abs().max() > 0.5
     P = P_world.create_cartesian_topology_partition((comm.size,))
     with pytest.raises(AssertionError, match="input gradient differs"):  # a backward that drops the imaginary part
-        assert_sequential_equivalence(lambda x: _RealGradient.apply(x), lambda x: x, z, P, P)
-
-
-class _RealGradient(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.complex(grad.real, torch.zeros_like(grad.real))
+        assert_sequential_equivalence(lambda x: _Backward.apply(x, lambda g: g.real.to(g.dtype)), lambda x: x, z,
+                                      P, P)
 
 
 @sizes(1, 2)
 def test_adjoint_probe_is_random(P_world, comm):
     """A wrong adjoint is caught whatever x the caller passes (zeros made both inner products 0)."""
     with pytest.raises(AssertionError, match="assert_adjoint"):
-        assert_adjoint(lambda x: _Flipped.apply(x), torch.zeros(6), comm, adjoint_of_adjoint=False)
-
-
-class _Flipped(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.flip(0)
+        assert_adjoint(lambda x: _Backward.apply(x, lambda g: g.flip(0)), torch.zeros(6), comm,
+                       adjoint_of_adjoint=False)
 
 
 @sizes(2, 3)
