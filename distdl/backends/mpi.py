@@ -168,6 +168,15 @@ def bcast(comm: MPI.Intracomm, buf, root: int = 0) -> None:
     _either(comm, comm.Bcast, comm.Ibcast, buf, root=root)
 
 
+def bcast_in_place(comm: MPI.Intracomm, t: torch.Tensor) -> None:
+    """Overwrite ``t`` with its value on rank 0 of ``comm`` (through a host copy where MPI cannot take its memory)."""
+    data = t.detach().to("cpu", copy=True).contiguous() if cuda.needs_staging(t) else contiguous(t.detach())
+    bcast(comm, buffer(data))
+    if data.data_ptr() != t.data_ptr():
+        with torch.no_grad():
+            t.copy_(data)
+
+
 def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:
     """Write the sum over ``comm`` of ``x`` into ``y`` (both contiguous, of one summable dtype and shape).
 

@@ -109,9 +109,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         if self.P_x.active and self.P_x.size > 1:
             for t in (self.weight, self.bias):
                 if t is not None:
-                    host = t.detach().cpu().contiguous()
-                    transport.bcast(self.P_x.comm, transport.buffer(host))
-                    t.copy_(host)
+                    transport.bcast_in_place(self.P_x.comm, t)
 
     def _length(self, k: int, n: int) -> int:
         return _windows.sliding_length(n, self.kernel_size[k], self.stride[k], *self._pads[k], self.dilation[k])

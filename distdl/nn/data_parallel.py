@@ -150,9 +150,8 @@ class DataParallel(torch.nn.Module):
         self._comm = _communicator(P)
         states = list(module.parameters()) + list(module.buffers())
         _check_agreement("DataParallel", P, _signature(self._buckets, states))
-        with torch.no_grad():
-            for t in states:
-                _broadcast(t, P.comm)
+        for t in states:
+            transport.bcast_in_place(P.comm, t)
         # The hooks hold the wrapper weakly and go with it: a dropped wrapper neither lingers nor reduces.
         me = weakref.ref(self)
         hooks = [p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, me, index))
@@ -366,11 +365,3 @@ def _check_agreement(where: str, P: MPIPartition, signature: int) -> None:
 def _communicator(P: MPIPartition) -> MPI.Comm:
     """Return a communicator over P's members used only for gradients (built once per partition)."""
     return P._memo(("data_parallel",), lambda: P.create_partition_inclusive(range(P.size))).comm
-
-
-def _broadcast(t: torch.Tensor, comm: MPI.Comm) -> None:
-    """Overwrite ``t`` with its value on rank 0 of ``comm`` (through a host copy where MPI cannot take it)."""
-    data = t.detach().to("cpu", copy=True).contiguous() if cuda.needs_staging(t) else transport.contiguous(t)
-    transport.bcast(comm, transport.buffer(data))
-    if data.data_ptr() != t.data_ptr():
-        t.copy_(data)
