@@ -72,7 +72,7 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
 
 
 def _allsum(comm: MPI.Comm, values: list[float]) -> list[float]:
-    return [float(v) for v in comm.allreduce(np.array(values, dtype=np.float64))]
+    return [float(v) for v in comm.allreduce(np.array([float(v) for v in values], dtype=np.float64))]
 
 
 def _assert_close(where: str, comm: MPI.Comm, a: float, b: float, rtol: float) -> None:

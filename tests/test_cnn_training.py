@@ -6,8 +6,10 @@ logits land on rank 0, and a distributed cross-entropy loss. Every rank runs the
 and asserts that the loss and all parameters (and the batch-norm statistics) agree after every step.
 """
 
+import pytest
 import torch
 
+from distdl.backends import cuda
 from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.nn.conv_feature import DistributedFeatureConv2d
 from distdl.nn.linear import DistributedLinear
@@ -65,17 +67,21 @@ def _check_parameters(model, ref, rank):
                          (model.norm.weight, norm.weight), (model.norm.bias, norm.bias),
                          (model.norm.running_mean, norm.running_mean), (model.norm.running_var, norm.running_var),
                          (model.head.weight, _columns(head.weight, model.P_features))):
-        torch.testing.assert_close(ours.detach(), theirs.detach(), **TOL,
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), **TOL,
                                    msg=lambda m: f"parameters differ on rank {rank}: {m}")
     assert (model.head.bias is not None) == (rank == 0)
     if model.head.bias is not None:
-        torch.testing.assert_close(model.head.bias.detach(), head.bias.detach(), **TOL)
+        torch.testing.assert_close(model.head.bias.detach().cpu(), head.bias.detach(), **TOL)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device on this machine"))])
 @sizes(4)
-def test_training_follows_sequential(P_world, comm):
+def test_training_follows_sequential(P_world, comm, device):
+    """On the CPU, and on the GPU (through CUDA-aware MPI or staged through the host) against the CPU's model."""
+    device = cuda.device_for_rank(comm) if device == "cuda" else torch.device(device)
     ref = sequential_model()
-    model = DistributedCNN(P_world).double()
+    model = DistributedCNN(P_world).double().to(device)
     with torch.no_grad():  # the same initial weights
         for ours, theirs in ((model.conv, ref[0]), (model.norm, ref[1])):
             ours.weight.copy_(theirs.weight)
@@ -91,8 +97,8 @@ def test_training_follows_sequential(P_world, comm):
     target = torch.randint(0, CLASSES, (N,), generator=torch.Generator().manual_seed(1))
     for step in range(3):
         on_root = comm.rank == 0
-        logits = model(x if on_root else torch.zeros(0, dtype=torch.float64))
-        loss = model.loss(logits, target if on_root else torch.zeros(0, dtype=torch.long))
+        logits = model((x if on_root else torch.zeros(0, dtype=torch.float64)).to(device))
+        loss = model.loss(logits, (target if on_root else torch.zeros(0, dtype=torch.long)).to(device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -17,6 +17,8 @@ from distdl.backends import cuda
 from distdl.functional.all_gather import all_gather
 from distdl.functional.all_sum_reduce import all_sum_reduce
 from distdl.functional.broadcast import broadcast
+from distdl.functional.halo_exchange import halo_exchange
+from distdl.functional.reduce_scatter import reduce_scatter
 from distdl.functional.repartition import repartition
 from distdl.functional.sum_reduce import sum_reduce
 from distdl.testing import assert_adjoint, random_tensor, scatter
@@ -28,11 +30,11 @@ DEVICES = [pytest.param("staged", id="cpu-staged"),
 
 
 @pytest.fixture
-def device(request, monkeypatch):
+def device(request, comm, monkeypatch):
     if request.param == "staged":
         monkeypatch.setattr(cuda, "stage_cpu_for_tests", True)
         return torch.device("cpu")
-    return cuda.device_for_rank()
+    return cuda.device_for_rank(comm)  # collective: on the test's ranks, after those sitting it out have left
 
 
 def operators(P_world, n):
@@ -41,6 +43,9 @@ def operators(P_world, n):
     return {
         "all_sum_reduce": (lambda t: all_sum_reduce(t, P_x, axes_reduce=[0]), (3, 4)),
         "all_gather": (lambda t: all_gather(t, P_x, axes_all_gather=[0]), (2, 4)),
+        "reduce_scatter": (lambda t: reduce_scatter(t, P_x, axes_reduce_scatter=[0]), (5, 3)),
+        "halo_exchange": (lambda t: halo_exchange(t, P_x, [[1, 1], [0, 0]], [[1, 1], [0, 0]], [[1, 1], [0, 0]]),
+                          (4, 3)),
         "broadcast": (lambda t: broadcast(t, P_0, P_x), (3, 4) if P_0.active else (0,)),
         "sum_reduce": (lambda t: sum_reduce(t, P_x, P_0), (3, 4)),
         "repartition": (lambda t: repartition(t, P_0, P_x), (5, 2) if P_0.active else (0,)),
@@ -109,12 +114,23 @@ def test_info_reports_the_transport():
 
 
 def layers(P_world, n):
-    from distdl.nn import DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearReduceScatter
+    from distdl.nn import (DistributedAvgPool1d, DistributedBatchNorm, DistributedChannelConv1d,
+                           DistributedFeatureConv1d, DistributedLayerNorm, DistributedLinear,
+                           DistributedLinearReduceScatter, DistributedMaxPool1d, DistributedUpsample)
     P_x = P_world.create_cartesian_topology_partition([1, 1, n])
+    P_c = P_world.create_cartesian_topology_partition([1, n, 1])
     P_f = P_world.create_cartesian_topology_partition([1, n])
+    one = P_world.create_partition_inclusive([0])
+    P_1, P_11 = one.create_cartesian_topology_partition([1, 1, 1]), one.create_cartesian_topology_partition([1, 1])
     return [
         (lambda: DistributedFeatureConv1d(P_x, 2, 3, kernel_size=3, padding=1), P_x, (4, 2, 9)),
+        (lambda: DistributedChannelConv1d(P_c, P_1, P_c, 5, 3, kernel_size=3, padding=1), P_c, (2, 5, 6)),
         (lambda: DistributedBatchNorm(P_x, 2), P_x, (4, 2, 9)),
+        (lambda: DistributedLayerNorm(P_x, (9,)), P_x, (4, 2, 9)),
+        (lambda: DistributedMaxPool1d(P_x, 2), P_x, (2, 2, 10)),
+        (lambda: DistributedAvgPool1d(P_x, 3, stride=2, padding=1), P_x, (2, 2, 9)),
+        (lambda: DistributedUpsample(P_x, scale_factor=2, mode="linear"), P_x, (2, 2, 7)),
+        (lambda: DistributedLinear(P_f, P_11, P_f, 5, 4), P_f, (3, 5)),
         (lambda: DistributedLinearReduceScatter(P_f, 5, 4), P_f, (3, 5)),
     ]
 

@@ -160,7 +160,10 @@ def host_staged(function):
 
 
 def device_for_rank(comm: MPI.Comm = MPI.COMM_WORLD) -> torch.device:
-    """Return the CUDA device of this rank: its rank on the node modulo the visible devices (CPU if none)."""
+    """Return the CUDA device of this rank: its rank on the node modulo the visible devices (CPU if none).
+
+    Collective over ``comm`` where a GPU is present: every rank of ``comm`` calls it.
+    """
     if not torch.cuda.is_available():
         return torch.device("cpu")
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)

@@ -74,13 +74,17 @@ def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIP
     return mean_shifted + shift, var, count
 
 
+_EPS = 2.0 ** -24  # 1 - _EPS is a float32: the sum is exactly 1 in float32 and float64
+
+
 def _affine(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """Return ``(x - shift) * scale + offset`` with per-channel (dimension 1) coefficients, in one fused pass.
 
-    torch's batch_norm in eval mode with unit variance and no epsilon; given weight and bias, its CPU
-    kernel is several times faster than without them, and than a broadcast ``(x - shift) * scale``.
+    torch's batch_norm in eval mode with a variance that its epsilon makes exactly 1 (torch before 2.13 refuses an
+    epsilon of 0); given weight and bias, its CPU kernel is several times faster than without them, and than a
+    broadcast ``(x - shift) * scale``.
     """
-    return F.batch_norm(x, shift, torch.ones_like(scale), scale, offset, training=False, eps=0.0)
+    return F.batch_norm(x, shift, torch.full_like(scale, 1 - _EPS), scale, offset, training=False, eps=_EPS)
 
 
 def _channel_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -94,7 +98,7 @@ def _channel_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     centred = _affine(x, mean, ones, zeros)  # exact: x * 1 - mean
     # sum(centred * (centred - 0)) per channel in one fused pass: as accurate as centred.square().sum(),
     # which, like torch.var_mean, is several times slower
-    _, m2, _ = torch.ops.aten.native_batch_norm_backward(centred, centred, None, None, None, zeros, ones, True, 0.0,
+    _, m2, _ = torch.ops.aten.native_batch_norm_backward(centred, centred, ones, None, None, zeros, ones, True, 0.0,
                                                          [False, True, False])
     return n, mean, m2
 
@@ -103,8 +107,9 @@ def _sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.T
     """Return this worker's ``[sum(dy * xhat), sum(dy)]`` per channel, in one fused pass."""
     if x.numel() == 0:  # as in _channel_moments
         return x.new_zeros(2, x.shape[1])
-    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(dy, x, None, None, None, mean, invstd, True,
-                                                                       0.0, [False, True, True])
+    # A weight is given (its value does not enter these sums): the CUDA kernel needs one
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(dy, x, torch.ones_like(mean), None, None, mean,
+                                                                       invstd, True, 0.0, [False, True, True])
     return torch.stack([sum_dy_xhat, sum_dy])
 
 
