@@ -26,16 +26,34 @@ _live_communicators = 0
 _REDUCE_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
+# Communicators of collected partitions, freed at the next safe point. A partition's finalizer may run inside
+# the garbage collector at any allocation, including one that mpi4py makes while holding the lock that its own
+# MPI_Comm_free callback takes: freeing there deadlocks the worker (and its peers in their next collective).
+_released: list[MPI.Comm] = []
+
+
 def live_communicators() -> int:
     """Return how many communicators distdl has created and not yet freed on this worker."""
+    free_released()
     return _live_communicators
 
 
-def _free_communicator(comm: MPI.Comm) -> None:
+def _release(comm: MPI.Comm) -> None:
+    _released.append(comm)  # no MPI call here (see _released)
+
+
+def free_released() -> None:
+    """Free the communicators of partitions the garbage collector has collected (called where MPI may be called:
+    when partitions are made and counted)."""
     global _live_communicators
-    _live_communicators -= 1
-    if not MPI.Is_finalized():
-        comm.Free()
+    while _released:
+        try:
+            comm = _released.pop()
+        except IndexError:  # emptied meanwhile by another thread (backward on a device's)
+            return
+        _live_communicators -= 1
+        if not MPI.Is_finalized():
+            comm.Free()
 
 
 def _as_int_tuple(values: Iterable[Any], what: str, where: str) -> tuple[int, ...]:
@@ -85,11 +103,12 @@ class MPIPartition:
         if owned and comm != MPI.COMM_NULL:
             global _live_communicators
             _live_communicators += 1
-            self._finalizer = weakref.finalize(self, _free_communicator, comm)
+            self._finalizer = weakref.finalize(self, _release, comm)
             self._finalizer.atexit = False
 
     def _derive(self, members: tuple[int, ...] | None, shape: tuple[int, ...], tag: int = 0) -> MPIPartition:
         """Return the partition of ``members`` (root ranks) with ``shape``; collective over the members."""
+        free_released()
         comm = MPI.COMM_NULL
         if members is not None and self._root.rank in members:
             root_group = self._root.Get_group()
@@ -360,6 +379,7 @@ class MPIPartition:
         self._cache.clear()
         if self._finalizer is not None:
             self._finalizer()
+            free_released()
         self._comm = MPI.COMM_NULL
 
     def __enter__(self) -> MPIPartition:

@@ -241,6 +241,31 @@ def test_free_and_no_leak(P_world, comm):
     assert live_communicators() == start
 
 
+@sizes(2, 3)
+def test_partitions_collected_inside_mpi4py(P_world, comm):
+    """Partitions in reference cycles (a caught exception's traceback makes them easily) are freed by the garbage
+    collector, which may run inside mpi4py while it holds the lock that its communicator-free callback takes.
+    Freeing the communicator there deadlocked the worker; now it is freed at the next partition call."""
+    gc.collect()
+    start = live_communicators()
+    threshold = gc.get_threshold()
+    gc.set_threshold(3)  # collect at nearly every allocation, inside mpi4py's lowercase calls too
+    try:
+        for i in range(100):
+            P = P_world.create_cartesian_topology_partition((comm.size,))
+            P.comm.allgather(i)
+            cycle = [P]
+            cycle.append(cycle)
+            del P, cycle
+            fresh = comm.Dup()  # a communicator that mpi4py has not seen: its first lowercase call takes the lock
+            assert fresh.allgather(i) == [i] * comm.size
+            fresh.Free()
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    assert live_communicators() == start
+
+
 @sizes(1, 2, 3, 4)
 def test_plans_between_partitions_leave_no_cycle(P_world, comm):
     """Plans each way between two partitions, and from one to itself, are freed with the partitions, without
