@@ -109,6 +109,22 @@ def test_a_skipped_primitive_is_named_before_any_data_moves(P_world, comm, skipp
 
 
 @sizes(2, 3)
+def test_a_skipped_backward_is_named(P_world, comm):
+    """Rank 0 runs backward (the sum's adjoint, a sum again) while its peers skip it and sum something else."""
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    x = torch.rand(3, requires_grad=True)
+    with checking():
+        y = distdl.functional.all_sum_reduce(x, P, axes_reduce=(0,))
+        with pytest.raises(CollectiveMismatchError) as info:
+            if comm.rank == 0:
+                y.backward(torch.ones(3))
+            else:
+                distdl.functional.all_sum_reduce(torch.rand(3), P, axes_reduce=(0,))
+    groups = {"all_sum_reduce (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
+    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+
+
+@sizes(2, 3)
 def test_several_disagreements_and_custom_facts(P_world, comm):
     facts = {"axes": (comm.rank % 2,), "halo": [1, 1]}
     x = torch.zeros(comm.rank + 1, dtype=torch.float64)

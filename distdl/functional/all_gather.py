@@ -253,7 +253,7 @@ def gather_adjoint(grad: torch.Tensor, P_fibre: MPIPartition, plan: Layout) -> t
     output's shape and dtype), so no header round runs: even at 8 B one Allgather of the data costs
     less than one of the messages, which adds packing and unpacking.
     """
-    verify("all_gather", P_fibre, grad, ("dim", "dtype", "device"))
+    verify("all_gather (backward)", P_fibre, grad, ("dim", "dtype", "device"))
     return _gather(grad, P_fibre, plan, None)
 
 

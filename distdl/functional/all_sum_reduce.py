@@ -108,9 +108,10 @@ def fibre_plan(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[in
     return plan
 
 
-def _run(x: torch.Tensor, plan: FibrePlan) -> torch.Tensor:
-    """Return the fibre sum of ``x`` under ``plan``, recorded for autograd when grad mode is on."""
-    verify("all_sum_reduce", plan.P_fibre, x)
+def _run(x: torch.Tensor, plan: FibrePlan, where: str = "all_sum_reduce") -> torch.Tensor:
+    """Return the fibre sum of ``x`` under ``plan``, recorded for autograd when grad mode is on; check mode
+    verifies the call as ``where``."""
+    verify(where, plan.P_fibre, x)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _sum(x, plan)
     return _AllSumReduce.apply(in_graph(x), plan)
@@ -137,4 +138,4 @@ class _AllSumReduce(torch.autograd.Function):
     def backward(ctx, grad_y):
         # Self-adjoint; autograd gives grad_y y's dtype, so the forward's plan holds (in a double
         # backward, _run records the adjoint too).
-        return _run(grad_y, ctx.plan), None
+        return _run(grad_y, ctx.plan, "all_sum_reduce (backward)"), None

@@ -225,7 +225,7 @@ class _Broadcast(torch.autograd.Function):
                                 transpose_dest=plan.transpose_src, preserve_batch=ctx.preserve_batch)
         else:  # the forward validated the arguments; autograd gives grad_y y's shape and dtype
             if check_mode():
-                verify("sum_reduce", union(ctx.P_dest, ctx.P_x) or ctx.P_dest, agree=())
+                verify("sum_reduce (backward)", union(ctx.P_dest, ctx.P_x) or ctx.P_dest, agree=())
             # the reduction runs on the same groups, reversed
             grad_x = _sum_reduce(grad_y, ctx.preserve_batch, plan.P_recv, plan.P_send, plan.blocking,
                                  (ctx.x_dtype, ctx.x_shape))

@@ -116,7 +116,7 @@ def scatter_adjoint(grad: torch.Tensor, P_fibre: MPIPartition, plan: Layout) -> 
     Every member's shape and dtype are already agreed (autograd gives each gradient its output's
     shape and dtype), so no header round runs (see :func:`~distdl.functional.all_gather.gather_adjoint`).
     """
-    verify("reduce_scatter", P_fibre, grad)
+    verify("reduce_scatter (backward)", P_fibre, grad)
     return _reduce_scatter(grad, P_fibre, plan, None)
 
 

@@ -143,7 +143,7 @@ class _Repartition(torch.autograd.Function):
             grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, pair.preserve_batch)
         else:  # the forward validated the arguments; autograd gives grad_y y's shape and dtype
             if check_mode():
-                verify("repartition", pair.P_union or ctx.P_y, agree=())
+                verify("repartition (backward)", pair.P_union or ctx.P_y, agree=())
             grad_x = _adjoint(grad_y, ctx.P_x, ctx.P_y, pair, ctx.plan)
         return grad_like(grad_x, ctx.x_shape, ctx.x_dtype), None
 

@@ -171,6 +171,6 @@ class _SumReduce(torch.autograd.Function):
                                transpose_dest=plan.transpose_dest, preserve_batch=ctx.preserve_batch)
         else:  # the forward validated the arguments and agreed on the blocks; grad_y has y's shape and dtype
             if check_mode():
-                verify("broadcast", union(ctx.P_y, ctx.P_dest) or ctx.P_y, agree=())
+                verify("broadcast (backward)", union(ctx.P_y, ctx.P_dest) or ctx.P_y, agree=())
             grad_x = _broadcast(grad_y, ctx.preserve_batch, plan, (ctx.x_dtype, ctx.x_shape))
         return grad_like(grad_x, ctx.x_shape, ctx.x_dtype), None, None, None
