@@ -212,6 +212,45 @@ def test_errors(P_world, comm):
 
 
 
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("overlap", [False, True])
+@sizes(2, 3)
+def test_wrong_dtype_then_recovery(P_world, comm, kind, overlap):
+    """An input of another dtype than the weight raises on every worker before any message (the ring used to post
+    its messages, fail in the multiply and free their buffers under MPI: heap corruption); the layer then works."""
+    P_shape, axis, x_shape, n_in, n_out = CASES[comm.size][0]
+    P_x = _partition(P_world, kind, P_shape, axis)
+    layer, ref = _pair(kind, P_x, axis, n_in, n_out, overlap=overlap)
+    with pytest.raises(TypeError, match=rf"{LAYERS[kind].__name__}: expected x and weight of one floating dtype, "
+                                        r"got torch.float32 and torch.float64"):
+        layer(scatter(random_tensor(x_shape, seed=1), P_x).float())
+    assert_sequential_equivalence(layer, ref, random_tensor(x_shape, seed=1), P_x, layer.P_y, seed=1)
+    _check_grads(kind, layer, ref, 1e-12)
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+@sizes(2, 3)
+def test_ring_waits_for_its_messages_when_a_multiply_raises(P_world, comm, kind, monkeypatch):
+    P_shape, axis, x_shape, n_in, n_out = CASES[comm.size][0]
+    P_x = _partition(P_world, kind, P_shape, axis)
+    layer, ref = _pair(kind, P_x, axis, n_in, n_out, overlap=True)
+    x = scatter(random_tensor(x_shape, seed=2), P_x)
+    linear, calls = torch.nn.functional.linear, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the second block: messages are in flight on every worker
+            raise RuntimeError("out of memory (simulated)")
+        return linear(*args)
+    monkeypatch.setattr(torch.nn.functional, "linear", failing)
+    with pytest.raises(RuntimeError, match=r"out of memory \(simulated\)"):
+        layer(x)
+    monkeypatch.undo()
+    for _ in range(3):  # freed buffers still under MPI would corrupt these
+        assert_sequential_equivalence(layer, ref, random_tensor(x_shape, seed=3), P_x, layer.P_y, seed=3)
+        _check_grads(kind, layer, ref, 1e-12)
+
+
 @sizes(2)
 def test_ring_errors(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((1, 2))

@@ -184,12 +184,14 @@ class _AllGatherLinear(torch.autograd.Function):
                 requests = [P_fibre.comm.Irecv(transport.buffer(incoming), (rank - 1) % size, RING_TAG),
                             P_fibre.comm.Isend(transport.buffer(chunk), (rank + 1) % size, RING_TAG)]
             lo, hi = extents[source]
-            x_full.narrow(axis, lo, hi - lo).copy_(chunk)
-            if on_features:
-                y += torch.nn.functional.linear(chunk, weight[:, lo:hi])
-            else:
-                y.narrow(axis, lo, hi - lo).copy_(torch.nn.functional.linear(chunk, weight))
-            MPI.Request.Waitall(requests)
+            try:
+                x_full.narrow(axis, lo, hi - lo).copy_(chunk)
+                if on_features:
+                    y += torch.nn.functional.linear(chunk, weight[:, lo:hi])
+                else:
+                    y.narrow(axis, lo, hi - lo).copy_(torch.nn.functional.linear(chunk, weight))
+            finally:  # also when the multiply raises: MPI must be done with the buffers before they are freed
+                MPI.Request.Waitall(requests)
             if requests:
                 chunk = incoming
         ctx.save_for_backward(weight, x_full)
@@ -276,6 +278,7 @@ class DistributedLinearAllGather(CollectStateMixin, torch.nn.Module):
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
                              f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
         weight = replicated(self.weight, self.P_x, self.axes_replicated)
+        check_operands(name, x, weight)  # before the ring posts its messages
         if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = _all_gather_linear(name, x, weight, self.P_x, self.axis)[0]
         else:

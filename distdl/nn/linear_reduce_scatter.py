@@ -100,22 +100,25 @@ class _LinearReduceScatter(torch.autograd.Function):
                 return transport.contiguous(torch.nn.functional.linear(x, weight[lo:hi]), accumulate)
             return transport.contiguous(torch.nn.functional.linear(x.narrow(axis, lo, hi - lo), weight), accumulate)
 
-        sends, held = [], []
-        for step in range(size):  # block (rank - step - 1) arrives from the left, summed over `step` workers
-            block = (rank - step - 1) % size
-            if step > 0:
-                incoming = transport.empty(partial_shape(x, weight, axis, extents[block]), accumulate, x.device)
-                receive = P_fibre.comm.Irecv(transport.buffer(incoming), (rank - 1) % size, RING_TAG)
-            total = partial(block)
-            if step > 0:
-                receive.Wait()
-                total += incoming
-            if step < size - 1:
-                if total.is_cuda:  # MPI reads the memory directly
-                    torch.cuda.current_stream(total.device).synchronize()
-                sends.append(P_fibre.comm.Isend(transport.buffer(total), (rank + 1) % size, RING_TAG))
-                held.append(total)  # keep the memory alive until the send completes
-        MPI.Request.Waitall(sends)
+        requests, held = [], []  # held: the memory of the messages, alive until they complete
+        try:
+            for step in range(size):  # block (rank - step - 1) arrives from the left, summed over `step` workers
+                block = (rank - step - 1) % size
+                if step > 0:
+                    incoming = transport.empty(partial_shape(x, weight, axis, extents[block]), accumulate, x.device)
+                    receive = P_fibre.comm.Irecv(transport.buffer(incoming), (rank - 1) % size, RING_TAG)
+                    requests.append(receive)
+                total = partial(block)
+                if step > 0:
+                    receive.Wait()
+                    total += incoming
+                if step < size - 1:
+                    if total.is_cuda:  # MPI reads the memory directly
+                        torch.cuda.current_stream(total.device).synchronize()
+                    requests.append(P_fibre.comm.Isend(transport.buffer(total), (rank + 1) % size, RING_TAG))
+                    held.append(total)
+        finally:  # also when a multiply raises: MPI must be done with the buffers before they are freed
+            MPI.Request.Waitall(requests)
         return total.to(x.dtype)
 
     @staticmethod
@@ -206,6 +209,7 @@ class DistributedLinearReduceScatter(CollectStateMixin, torch.nn.Module):
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
                              f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
         weight = replicated(self.weight, self.P_x, self.axes_replicated)
+        check_operands(name, x, weight)
         if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = linear_reduce_scatter(x, weight, self.P_y, self.axis)
         else:
