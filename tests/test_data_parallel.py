@@ -343,6 +343,30 @@ def test_shared_grad_tensor_is_reduced_once(P_world, comm):
     torch.testing.assert_close(model.c.grad, sum(random_tensor((4, 3), seed=80 + r) for r in range(comm.size)))
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@sizes(2, 3)
+def test_a_backward_that_raised(P_world, comm, set_to_none):
+    """A backward that raises on every member (a hook) leaves reductions in flight; the next forward through the
+    wrapper completes them, and the steps after it give the full-batch gradients (they used to raise)."""
+    n = 7
+    x, y = _batch(n, seed=3)
+    expected = _grads(_mlp(0), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+    wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=TINY_CAP, op="sum")
+
+    def fail(grad):
+        raise RuntimeError("a hook failed")
+    handle = wrapped.module[0].weight.register_hook(fail)  # the last gradient: the other buckets have started
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        _step(wrapped, x[rows], y[rows])
+    assert wrapped._in_flight
+    handle.remove()
+    for _ in range(2):
+        wrapped.zero_grad(set_to_none=set_to_none)  # in place too, on gradients still being summed in place
+        ((wrapped(x[rows]) - y[rows]) ** 2).sum().backward()
+        _assert_grads(wrapped, expected)
+
+
 @sizes(1, 2, 3)
 def test_repeated_calls(P_world, comm):
     """all_reduce_gradients keeps its plan between calls: still right after the parameters change dtype in place

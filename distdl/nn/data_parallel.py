@@ -129,7 +129,9 @@ class DataParallel(torch.nn.Module):
     reduces a parameter: wrapping it again while an earlier wrapper lives raises ValueError (drop
     the earlier one first; its hooks go with it). A backward that ends inside another before the
     module's gradients are all ready (reentrant checkpointing of its last layers) raises
-    RuntimeError: use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+    RuntimeError: use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. A backward that raises (on
+    every member) leaves sums in flight: the next forward through the wrapper completes them (a collective) and
+    drops that step's gradients; zero the gradients before the next backward, as after any step.
     """
 
     def __init__(self, module: torch.nn.Module, P: MPIPartition, bucket_cap_mb: float = 25,
@@ -161,7 +163,23 @@ class DataParallel(torch.nn.Module):
             _REDUCING[id(p)] = self
 
     def forward(self, *args, **kwargs):
+        if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
+            self._abandon()
         return self.module(*args, **kwargs)
+
+    def _abandon(self) -> None:
+        """Complete the reductions that a backward which raised left in flight, so that the members' collectives
+        stay matched; that step's gradients are dropped. Gradients summed in place are zeroed; the others are left
+        as the user left them (zero them after a failed step, as after any step)."""
+        started = self._comm.allreduce(self._next, op=MPI.MAX)  # where backward stopped may differ by member
+        for bucket in self._buckets[self._next:started]:
+            bucket.start(self._comm, self._claimed, self._divisor)
+        for bucket in self._buckets[:started]:
+            bucket.spread()
+        for bucket in self._buckets[:started]:
+            bucket.finish(write=False)
+            bucket.drop_in_place()
+        self._next, self._in_flight = len(self._buckets), False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -199,7 +217,8 @@ class DataParallel(torch.nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self.wait)
         if id(p) in self._seen:
             raise RuntimeError("DataParallel: expected one gradient per parameter per backward, got a second "
-                               "(reentrant checkpointing or several backward calls before the end of one)")
+                               "(reentrant checkpointing, several backward calls before the end of one, or a "
+                               "backward after one that raised without a forward through the wrapper between)")
         self._seen.add(id(p))
         self._waiting[index] -= 1
         # Start buckets strictly in order, so every member issues the same sequence of collectives.
@@ -270,11 +289,13 @@ class _Bucket:
         """Continue the reduction (after every bucket has started; see ``transport.InPlaceSum``)."""
         self.sum.spread()
 
-    def finish(self) -> None:
-        """Wait for the reduction and put the result in ``.grad``."""
+    def finish(self, write: bool = True) -> None:
+        """Wait for the reduction and (``write``) put the result in ``.grad``."""
         self.sum.wait()
         self.counting.Wait()
         self.sum = self.counting = None
+        if not write:
+            return
         data, self.data = self.data, []
         targets, sources = [], []
         with torch.no_grad():
@@ -287,6 +308,13 @@ class _Bucket:
                 sources.append(reduced)
             if targets:
                 torch._foreach_copy_(targets, sources)
+
+    def drop_in_place(self) -> None:
+        """Zero the gradient that a dropped reduction summed in place, if it is still the parameter's."""
+        data, self.data = self.data, []
+        if self.solo and data and data[0] is self.params[0].grad:
+            with torch.no_grad():
+                data[0].zero_()
 
     def _solo_data(self, grad: torch.Tensor | None, claimed: set[int]) -> torch.Tensor:
         """Return the gradient itself where MPI can sum it in place, else a copy in the bucket's dtype (also
