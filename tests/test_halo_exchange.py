@@ -230,6 +230,28 @@ def test_neighbours_that_disagree_are_detected(P_world, comm):
         halo_exchange(x, P_world, halo, recv, send)
 
 
+@sizes(4)
+def test_a_dimension_that_fails_does_not_desynchronise_the_next(P_world, comm):
+    """Worker 2 sends its upper neighbour 2 slices where 1 is expected: worker 0 raises at dimension 0 and still
+    exchanges dimension 1, so the next exchange is right (its messages used to pair with the stale ones)."""
+    P = P_world.create_cartesian_topology_partition((2, 2))
+    ones = [[1, 1], [1, 1]]
+    send = [[2, 1], [1, 1]] if comm.rank == 2 else ones
+    if comm.rank == 0:
+        with pytest.raises(ValueError, match=r"halo_exchange: expected the neighbours of worker 0 along dimension 0"):
+            halo_exchange(torch.zeros(6, 6), P, ones, ones, send)
+    else:
+        halo_exchange(torch.zeros(6, 6), P, ones, ones, send)
+    x = torch.arange(36.0).reshape(6, 6) + 100 * comm.rank
+    y = halo_exchange(x, P, ones, ones, ones)
+    neighbours = comm.allgather(x)
+    i, j = P.index
+    if i == 0:
+        torch.testing.assert_close(y[-1, 1:-1], neighbours[P.rank + 2][1, 1:-1])
+    if j == 0:
+        torch.testing.assert_close(y[1:-1, -1], neighbours[P.rank + 1][1:-1, 1])
+
+
 @sizes(3)
 def test_pack_buffers_live_until_their_sends_complete(P_world, comm, monkeypatch):
     """Column slabs are packed through cached buffers; a cache cleared in mid-exchange (here on every new

@@ -144,6 +144,27 @@ def test_sources_that_disagree_raise_on_every_member(P_world, comm):
     assert y.tolist() == [comm.size] * 2 if comm.rank == 0 else y.shape == (2, 0)
 
 
+@sizes(4)
+def test_a_group_that_disagrees_leaves_the_other_group_done(P_world, comm):
+    """Workers 0 and 1 are in two groups each (root 0 sums 1 and 2; root 1 sums 3 and 0). Blocks of the first group
+    disagree: its members raise, worker 3 (only in the agreeing group) returns its sum, and the next call is right
+    (worker 3 used to wait for a data round that its peers had abandoned, and every later call hung)."""
+    P_y = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition((2, 1))
+    P_x = P_world.create_partition_inclusive([1, 2, 3, 0]).create_cartesian_topology_partition((2, 2))
+    rows = 101 if comm.rank == 2 else 100  # 12 KB blocks: beyond the header round's payload
+
+    def block(scale, bad):
+        return torch.full((rows if bad else 100, 30), float(scale * (comm.rank + 1)))
+    if comm.rank == 3:
+        assert sum_reduce(block(1, True), P_x, P_y).numel() == 0
+    else:
+        with pytest.raises(ValueError, match="sum_reduce: expected the blocks summed onto one worker to agree"):
+            sum_reduce(block(1, True), P_x, P_y)
+    y = sum_reduce(block(10, False), P_x, P_y)
+    expected = {0: 10 * (2 + 3), 1: 10 * (4 + 1)}.get(comm.rank)
+    assert torch.equal(y, torch.full((100, 30), float(expected))) if expected else y.numel() == 0
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     x = torch.ones(2)

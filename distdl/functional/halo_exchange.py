@@ -159,6 +159,7 @@ class _HaloExchangeAdjoint(torch.autograd.Function):
 def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: bool) -> None:
     """Run the forward (or adjoint) exchange in place on ``t``, a contiguous tensor this call owns."""
     halo, recv, send = widths
+    error = None
     for d in reversed(range(t.dim())) if adjoint else range(t.dim()):
         n = t.shape[d]
         ghost = ((halo[d][0] - recv[d][0], recv[d][0]), (n - halo[d][1], recv[d][1]))
@@ -175,13 +176,19 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
             requests.append(P_x.comm.Isend(transport.buffer(packed), dest=peer, tag=_TAG + 2 * d + side))
             arrivals.append((side, peer, into, arrival))
             packs.append(packed)
-        _wait(where, P_x, d, requests, arrivals)
+        try:
+            _wait(where, P_x, d, requests, arrivals)
+        except ValueError as failure:  # still exchange the other dimensions: every message must find its match
+            error = error or failure
+            continue
         for side, _, into, arrival in arrivals:
             if adjoint:
                 into.add_(arrival)
                 t.narrow(d, *ghost[side]).zero_()
             elif arrival is not into:
                 into.copy_(arrival)
+    if error is not None:
+        raise error
 
 
 def neighbors(P_x: MPIPartition) -> tuple[tuple[int, int], ...]:

@@ -127,11 +127,19 @@ def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
         else:
             requests.append(P.comm.Iallgather(mine[:length], gathered[-1]))
     MPI.Request.Waitall(requests)
-    structures = [(*known, None) if messages is None else _agreed(P, messages)
-                  for (P, _, known), messages in zip(groups, gathered)]
+    structures, error = [], None
+    for (P, _, known), messages in zip(groups, gathered):
+        try:
+            structures.append((*known, None) if messages is None else _agreed(P, messages))
+        except ValueError as failure:  # every member of this group raises; the other group still sums
+            error = error or failure
+            structures.append(None)
     # Data round for the rest, in the accumulation dtype, straight from and into tensor memory.
     y, y_dtype, requests, keep = None, None, [], []
-    for (P, receiver, _), messages, (dtype, shape, sources) in zip(groups, gathered, structures):
+    for (P, receiver, _), messages, structure in zip(groups, gathered, structures):
+        if structure is None:
+            continue
+        dtype, shape, sources = structure
         y_dtype = dtype if receiver else y_dtype
         accumulate = transport.reduction_dtype("sum_reduce", dtype)
         if messages is not None and carries_payload(messages, dtype, shape):
@@ -149,6 +157,8 @@ def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
             requests.append(P.comm.Ireduce(MPI.IN_PLACE if x_sum is None else transport.buffer(x_sum, summed=True),
                                            transport.buffer(y, summed=True) if receiver else None, op=MPI.SUM, root=0))
     MPI.Request.Waitall(requests)
+    if error is not None:
+        raise error
     if y is None:
         return zero_volume_like(x, preserve_batch)
     return y if y.dtype == y_dtype else y.to(y_dtype)
