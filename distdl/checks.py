@@ -26,7 +26,7 @@ import contextlib
 import hashlib
 import numbers
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from distdl.partition import MPIPartition
 
-__all__ = ["CollectiveMismatchError", "verify", "set_check_mode", "check_mode", "checking"]
+__all__ = ["CollectiveMismatchError", "announce", "verify", "set_check_mode", "check_mode", "checking"]
 
 
 def _from_environment() -> bool:
@@ -89,6 +89,9 @@ def checking(enabled: bool = True) -> Iterator[None]:
         set_check_mode(previous)
 
 
+_FAILED = "failed with"  # the fact of a call whose local checks raised (see announce)
+
+
 def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None = None,
            agree: Mapping[str, Any] | Iterable[str] | None = None) -> None:
     """In check mode, verify that every member of ``P`` makes this same call; else do nothing.
@@ -126,7 +129,8 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     described = comm.allgather({"primitive": where, "call number": int(record[1]), **facts})
     ranks = _world_ranks(comm)
     differences = {}
-    for fact in dict.fromkeys(key for description in described for key in description):
+    facts_seen = dict.fromkeys(key for description in described for key in description)
+    for fact in sorted(facts_seen, key=lambda fact: fact != _FAILED):  # a failed local check first: the cause
         groups: dict[Any, list[int]] = {}
         for rank, description in zip(ranks, described):
             groups.setdefault(description.get(fact, "nothing"), []).append(rank)
@@ -135,6 +139,25 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     if not differences:  # a record from a collective other than verify(), or a hash collision
         differences["check record"] = {"different records (is check mode on on every rank?)": ranks}
     raise CollectiveMismatchError(where, differences)
+
+
+def announce(where: str, P: Callable[[], MPIPartition | MPI.Intracomm | None], error: Exception) -> None:
+    """In check mode, let a call whose local checks raised ``error`` take part in the check of that call.
+
+    A member that raised before communicating would otherwise skip the check: its peers' call would pair
+    with its next one. ``P()`` returns the partition the call checks on (None, or raising, where it cannot be
+    known: then nothing is done). Every member raises: CollectiveMismatchError where the others' calls
+    passed their checks, nothing here where all failed alike (the caller then raises ``error``). Data passed
+    on a worker outside the call's input partition is not announced: such a worker may be the only one calling.
+    """
+    if not _enabled:
+        return
+    try:
+        partition = P()
+    except Exception:  # the arguments that name it are what failed
+        return
+    if partition is not None:
+        verify(where, partition, agree={_FAILED: type(error).__name__})
 
 
 def _communicator(P: Any) -> MPI.Comm:

@@ -125,6 +125,31 @@ def test_a_skipped_backward_is_named(P_world, comm):
 
 
 @sizes(2, 3)
+def test_a_call_that_fails_its_checks_on_one_worker(P_world, comm):
+    """Worker 1's input fails the local checks (a bool sum, a tensor of another dimension): it still takes part in
+    the call's check, so every worker raises, and the next call pairs with the next call (it used to pair with the
+    one after, one call behind: wrong sums, then a hang)."""
+    F = distdl.functional
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1,))
+    widths = [[1 if comm.rank else 0, 1 if comm.rank < comm.size - 1 else 0]]
+    calls = {"all_sum_reduce": lambda t: F.all_sum_reduce(t, P, axes_reduce=(0,)),
+             "reduce_scatter": lambda t: F.reduce_scatter(t, P, axes_reduce_scatter=(0,)),
+             "all_gather": lambda t: F.all_gather(t, P, axes_all_gather=(0,)),
+             "sum_reduce": lambda t: F.sum_reduce(t, P, P_0),
+             "halo_exchange_adjoint": lambda t: F.halo_exchange_adjoint(t, P, widths, widths, widths)}
+    bad = {"all_gather": torch.ones(3, 1)}  # the others: bool, which cannot be summed
+    for name, call in calls.items():
+        good = torch.full((3 * comm.size,), float(comm.rank + 1))
+        with checking():
+            with pytest.raises(CollectiveMismatchError, match=rf"{name}: ranks disagree on failed with: "):
+                call(bad.get(name, good > 0) if comm.rank == 1 else good)
+            y = call(good)
+        unchecked = call(good)
+        assert torch.equal(y, unchecked), name
+
+
+@sizes(2, 3)
 def test_several_disagreements_and_custom_facts(P_world, comm):
     facts = {"axes": (comm.rank % 2,), "halo": [1, 1]}
     x = torch.zeros(comm.rank + 1, dtype=torch.float64)

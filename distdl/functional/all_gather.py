@@ -36,8 +36,8 @@ from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_inpu
                                        header_of, in_graph)
 from distdl.functional._messages import (HEADER_BYTES, carries_payload, copy_payloads, decode, encode_message,
                                          message_length, payloads)
-from distdl.functional.all_sum_reduce import FibrePlan, fibre_plan
-from distdl.checks import verify
+from distdl.functional.all_sum_reduce import FibrePlan, checked_fibre, fibre_plan
+from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
 
@@ -79,17 +79,21 @@ def member_plan(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[i
                 axes_keep: Iterable[int] | None, what: str, summed: bool) -> FibrePlan | None:
     """Check the arguments of all_gather or reduce_scatter; return the fibre plan, or None where the result
     is a copy of ``x`` (a worker outside ``P_x``, or alone in its fibre)."""
-    check_tensor(where, x)
-    check_partition(where, "P_x", P_x)
-    plan = fibre_plan(where, x, P_x, axes, axes_keep, what, summed)
-    if plan.P_fibre is None:  # outside P_x
-        check_idle_input(where, P_x, x)
-        return None
-    check_dim(where, P_x, x)
-    if not plan.alone:  # the header round's encode_message checks x before any communication
-        return plan
-    header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
-    return None
+    try:
+        check_tensor(where, x)
+        check_partition(where, "P_x", P_x)
+        plan = fibre_plan(where, x, P_x, axes, axes_keep, what, summed)
+        if plan.P_fibre is None:  # outside P_x
+            check_idle_input(where, P_x, x)
+            return None
+        check_dim(where, P_x, x)
+        if plan.alone or check_mode():
+            header_of(where, x)  # rejects dtypes and shapes that cannot be described to the other members
+    except (TypeError, ValueError) as error:
+        announce(where, lambda: checked_fibre(where, P_x, axes, axes_keep, what), error)
+        raise
+    # Outside check mode the header round's encode_message checks x before any communication.
+    return None if plan.alone else plan
 
 
 def exchange_headers(where: str, P_fibre: MPIPartition, header: np.ndarray) -> list[tuple[int, ...]]:

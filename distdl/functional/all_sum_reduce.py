@@ -20,7 +20,7 @@ import torch
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph, resolve_axes_cached
-from distdl.checks import verify
+from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 
 __all__ = ["all_sum_reduce"]
@@ -42,9 +42,13 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
             data on a worker outside ``P_x``.
         TypeError: ``x`` of a dtype that cannot be summed (bool).
     """
-    check_tensor("all_sum_reduce", x)
-    check_partition("all_sum_reduce", "P_x", P_x)
-    plan = fibre_plan("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
+    try:
+        check_tensor("all_sum_reduce", x)
+        check_partition("all_sum_reduce", "P_x", P_x)
+        plan = fibre_plan("all_sum_reduce", x, P_x, axes_reduce, axes_keep)
+    except (TypeError, ValueError) as error:
+        announce("all_sum_reduce", lambda: checked_fibre("all_sum_reduce", P_x, axes_reduce, axes_keep), error)
+        raise
     if plan.P_fibre is None:  # outside P_x
         check_idle_input("all_sum_reduce", P_x, x)
         return x.clone()
@@ -61,6 +65,12 @@ def validate(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[int]
         transport.reduction_dtype(where, x.dtype)
     check_idle_input(where, P_x, x)
     return axes
+
+
+def checked_fibre(where: str, P_x: MPIPartition, axes: Iterable[int] | None, axes_keep: Iterable[int] | None,
+                  what: str = "axes_reduce") -> MPIPartition | None:
+    """Return the fibre a fibre collective checks its call on (None outside ``P_x``; raises for bad axes)."""
+    return fibre(P_x, resolve_axes_cached(where, P_x, axes, axes_keep, what)) if P_x.active else None
 
 
 def fibre(P_x: MPIPartition, axes: tuple[int, ...]) -> MPIPartition:

@@ -36,7 +36,7 @@ from distdl.functional._common import (check_flags, check_idle_input, check_part
                                        header_of, in_graph, zero_volume_like)
 from distdl.functional._messages import (decode, empty_message, encode_message, inline, inline_payload)
 from distdl.functional.repartition import union
-from distdl.checks import check_mode, verify
+from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition, _broadcast_groups
 
 __all__ = ["broadcast"]
@@ -67,8 +67,12 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
     where = "broadcast"
     check_tensor(where, x)
     plan = groups(where, P_x, P_y, transpose_src, transpose_dest, preserve_batch)
-    header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
-    check_idle_input(where, P_x, x)
+    check_idle_input(where, P_x, x)  # (a worker outside P_x need not be part of the check: see announce)
+    try:
+        header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
+    except (TypeError, ValueError) as error:
+        announce(where, lambda: union(P_x, P_y) or P_x, error)
+        raise
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (plan.P_send.active or plan.P_recv.active):

@@ -36,7 +36,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, in_graph
-from distdl.checks import verify
+from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 
 __all__ = ["halo_exchange", "halo_exchange_adjoint"]
@@ -65,7 +65,11 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
         ValueError: widths of the wrong shape, negative, not fitting in ``x``; ``x`` of the wrong
             dimension; data on a worker outside ``P_x``; neighbours that disagree on a slab's size.
     """
-    widths = _validate("halo_exchange", x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
+    try:
+        widths = _validate("halo_exchange", x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
+    except (TypeError, ValueError) as error:
+        announce("halo_exchange", lambda: P_x if P_x.active else None, error)
+        raise
     verify("halo_exchange", P_x, x, ("dim", "dtype", "device"))
     if not P_x.active:
         return x.clone()
@@ -80,8 +84,12 @@ def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths
     Arguments, returns and errors are those of :func:`halo_exchange`; sums of float16/bfloat16
     are carried (and sent) in float32, and bool raises ``TypeError``.
     """
-    widths = _validate("halo_exchange_adjoint", y, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
-    transport.reduction_dtype("halo_exchange_adjoint", y.dtype)
+    try:
+        widths = _validate("halo_exchange_adjoint", y, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
+        transport.reduction_dtype("halo_exchange_adjoint", y.dtype)
+    except (TypeError, ValueError) as error:
+        announce("halo_exchange_adjoint", lambda: P_x if P_x.active else None, error)
+        raise
     verify("halo_exchange_adjoint", P_x, y, ("dim", "dtype", "device"))
     if not P_x.active:
         return y.clone()

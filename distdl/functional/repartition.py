@@ -37,7 +37,7 @@ from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_inpu
                                        decode_header, grad_like, header_of, in_graph, zero_volume_like)
 from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
                                          message_length, payloads)
-from distdl.checks import check_mode, verify
+from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index, compute_subshape
 
@@ -66,10 +66,14 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
     where = "repartition"
     check_tensor(where, x)
     pair = _pair(where, P_x, P_y, preserve_batch)
-    check_dim(where, P_x, x)
-    check_idle_input(where, P_x, x)
-    if P_x.active:
-        header_of(where, x)  # rejects dtypes that cannot be described to receivers
+    check_idle_input(where, P_x, x)  # (a worker outside P_x need not be part of the check: see announce)
+    try:
+        check_dim(where, P_x, x)
+        if P_x.active:
+            header_of(where, x)  # rejects dtypes that cannot be described to receivers
+    except (TypeError, ValueError) as error:
+        announce(where, lambda: pair.P_union or P_x, error)
+        raise
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, pair.P_union or P_x, agree=())
     if torch.is_grad_enabled():

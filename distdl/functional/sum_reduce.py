@@ -37,7 +37,7 @@ from distdl.functional._messages import (carries_payload, decode, empty_message,
                                          rides_inline, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
 from distdl.functional.repartition import union
-from distdl.checks import check_mode, verify
+from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 
 __all__ = ["sum_reduce"]
@@ -67,9 +67,13 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
     where = "sum_reduce"
     check_tensor(where, x)
     plan = groups(where, P_y, P_x, transpose_dest, transpose_src, preserve_batch, names=("P_y", "P_x"))
-    header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
-    transport.reduction_dtype(where, x.dtype)
-    check_idle_input(where, P_x, x)
+    check_idle_input(where, P_x, x)  # (a worker outside P_x need not be part of the check: see announce)
+    try:
+        header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
+        transport.reduction_dtype(where, x.dtype)
+    except (TypeError, ValueError) as error:
+        announce(where, lambda: union(P_x, P_y) or P_x, error)
+        raise
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (plan.P_send.active or plan.P_recv.active):
