@@ -5,8 +5,11 @@ not require grad (or a worker feeds in data); without care its output would carr
 history, its backward would skip the adjoint and the workers waiting for it would hang.
 """
 
+import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 
+from distdl import functional as F
 from distdl.functional import all_sum_reduce, broadcast, repartition, sum_reduce
 from distdl.nn import DistributedLinear
 from distdl.testing import random_tensor
@@ -74,3 +77,51 @@ def test_linear_with_receive_only_output_worker(P_world, comm):
     y.sum().backward()  # every rank returns: the adjoint ran on all of them
     if P_w.active:
         assert layer.weight.grad is not None
+
+
+def _primitives(P_world, n):
+    P = P_world.create_cartesian_topology_partition([n, 1])
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    widths = [[1 if P.rank else 0, 1 if P.rank < n - 1 else 0], [0, 0]]
+    return {"all_sum_reduce": lambda t: F.all_sum_reduce(t, P, axes_reduce=[0]),
+            "all_gather": lambda t: F.all_gather(t, P, axes_all_gather=[0]),
+            "reduce_scatter": lambda t: F.reduce_scatter(t, P, axes_reduce_scatter=[0]),
+            "broadcast": lambda t: F.broadcast(t if P_0.active else t[:0], P_0, P),
+            "sum_reduce": lambda t: F.sum_reduce(t, P, P_0),
+            "repartition": lambda t: F.repartition(t if P_0.active else t[:0], P_0, P),
+            "halo_exchange": lambda t: F.halo_exchange(t, P, widths, widths, widths)}
+
+
+@sizes(2, 3)
+def test_inputs_made_in_inference_mode(P_world, comm):
+    """A tensor made under torch.inference_mode, used in grad mode (a batch from such a pipeline): the same
+    result as a normal tensor (it used to raise: an inference tensor cannot be made to require grad)."""
+    for name, op in _primitives(P_world, comm.size).items():
+        x = random_tensor((2 * comm.size, 3), seed=comm.rank)
+        with torch.inference_mode():
+            frozen = x.clone()
+        y = op(frozen)
+        y.sum().backward()  # every worker takes part, as with any input
+        torch.testing.assert_close(y, op(x), rtol=0, atol=0, msg=name)
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    layer = DistributedLinear(P_f, P_y, P_f, 6, 4).double()
+    with torch.inference_mode():
+        frozen = random_tensor((3, layer.weight.shape[1]), seed=comm.rank)
+    layer(frozen).sum().backward()
+    assert layer.weight.grad is not None
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's forward AD scripts functions with torch.jit
+@sizes(2)
+def test_forward_mode_ad_is_refused(P_world, comm):
+    """A dual tensor's tangent would be dropped (a zero derivative): every primitive raises instead."""
+    for name, op in _primitives(P_world, comm.size).items():
+        x = random_tensor((2 * comm.size, 3), seed=comm.rank)
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(x, torch.ones_like(x))
+            for grad_mode in (True, False):
+                with torch.set_grad_enabled(grad_mode), pytest.raises(
+                        NotImplementedError, match=rf"{name}: forward-mode AD \(torch.autograd.forward_ad\) is not "
+                                                   "supported"):
+                    op(dual)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from mpi4py import MPI
 
 __all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged", "needs_staging"]
@@ -144,12 +145,20 @@ class _ToDevice(torch.autograd.Function):
 
 
 def host_staged(function):
-    """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it."""
+    """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it.
+
+    Every primitive's entry: it also refuses forward-mode AD's dual tensors, whose tangent the primitive would
+    drop (a zero derivative, silently).
+    """
     name = next(iter(inspect.signature(function).parameters))  # the tensor's, also when passed by keyword
 
     @functools.wraps(function)
     def staged(*args, **kwargs):
         x = args[0] if args else kwargs.get(name)
+        if forward_ad._current_level >= 0 and isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent \
+                is not None:
+            raise NotImplementedError(f"{function.__name__}: forward-mode AD (torch.autograd.forward_ad) is not "
+                                      "supported; torch.autograd.functional.jvp works (through reverse mode)")
         if not isinstance(x, torch.Tensor) or not needs_staging(x):
             return function(*args, **kwargs)
         # The primitive never returns an alias of its input, so the pool is free again on return.

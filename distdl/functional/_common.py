@@ -59,10 +59,11 @@ def in_graph(x: torch.Tensor) -> torch.Tensor:
 
     A collective's backward needs every member: a worker whose input (a zero-volume placeholder,
     or data) needs no gradient must still take part in the backward of the others. The gradient
-    computed for such an input is discarded.
+    computed for such an input is discarded. An input made under ``torch.inference_mode`` cannot require grad:
+    a copy of it does.
     """
     if torch.is_grad_enabled() and not x.requires_grad and (x.is_floating_point() or x.is_complex()):
-        return x.detach().requires_grad_()
+        return (x.clone() if x.is_inference() else x.detach()).requires_grad_()
     return x
 
 

@@ -31,7 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor
+from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.broadcast import broadcast, broadcast_plan
 from distdl.functional.invariant import all_sum_reduce_backward
@@ -161,8 +161,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             self._check_block(name, x)
         else:
             x = x.to(self.weight.dtype)
-        if torch.is_grad_enabled() and not x.requires_grad:  # join the graph, so every worker runs backward
-            x = x.detach().requires_grad_()
+        x = in_graph(x)  # join the graph, so every worker runs backward
         x_w = broadcast(self._window(name, x), self._X, self._W, preserve_batch=False)
         if self.P_w.active:
             x_w = self._local(x_w)
