@@ -388,6 +388,16 @@ class MPIPartition:
     def __exit__(self, *exc_info: object) -> None:
         self.free()
 
+    def __copy__(self) -> MPIPartition:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> MPIPartition:
+        return self  # a partition names workers and their communicator: copies of a layer share it
+
+    def __reduce__(self):
+        raise TypeError("MPIPartition cannot be pickled: it holds an MPI communicator (save a module's state_dict(), "
+                        "and build the module again where it is loaded)")
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MPIPartition):
             return NotImplemented

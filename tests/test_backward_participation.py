@@ -125,3 +125,24 @@ def test_forward_mode_ad_is_refused(P_world, comm):
                         NotImplementedError, match=rf"{name}: forward-mode AD \(torch.autograd.forward_ad\) is not "
                                                    "supported"):
                     op(dual)
+
+
+@sizes(3)
+def test_workers_outside_a_layer_run_backward(P_world, comm):
+    """A layer with parameters on workers 0 and 1, fed data that needs no gradient (a first layer): worker 2, outside
+    it, gets a zero-volume output that backward runs through, as everywhere else (it used to have no autograd
+    history, so its backward() raised)."""
+    from distdl.nn import (DistributedBatchNorm, DistributedFeatureConv2d, DistributedLayerNorm,
+                           DistributedLinearAllGather, DistributedLinearReduceScatter)
+    two = P_world.create_partition_inclusive([0, 1])
+    P_f, P_s = two.create_cartesian_topology_partition([1, 2]), two.create_cartesian_topology_partition([1, 1, 1, 2])
+    P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    layers = [(DistributedLinearAllGather(P_f, 4, 6), (3, 2)), (DistributedLinearReduceScatter(P_f, 4, 6), (3, 2)),
+              (DistributedLinear(P_f, P_y, P_f, 4, 6), (3, 2)),
+              (DistributedFeatureConv2d(P_s, 2, 3, 3, padding=1), (2, 2, 4, 3)),
+              (DistributedBatchNorm(P_s, 2), (2, 2, 4, 3)), (DistributedLayerNorm(P_s, (4, 6)), (2, 2, 4, 3))]
+    for layer, shape in layers:
+        x = torch.rand(shape) if two.active else zero_volume_tensor()
+        y = layer(x)
+        assert y.requires_grad, type(layer).__name__
+        y.sum().backward()  # every worker; those in the layer wait for each other's adjoints

@@ -241,6 +241,29 @@ def test_free_and_no_leak(P_world, comm):
     assert live_communicators() == start
 
 
+@sizes(1, 2, 3)
+def test_copies_share_the_partition(P_world, comm):
+    """copy.deepcopy of a layer (an EMA or teacher copy) shares its partitions and copies its parameters; a
+    partition cannot be pickled, and says why (deepcopy used to fail on the communicator, unclearly)."""
+    import copy
+    import pickle
+
+    import torch
+    from distdl.nn import DistributedLayerNorm, DistributedLinearAllGather
+    P_x = P_world.create_cartesian_topology_partition((1, comm.size))
+    assert copy.copy(P_x) is P_x and copy.deepcopy(P_x) is P_x
+    with pytest.raises(TypeError, match="MPIPartition cannot be pickled: it holds an MPI communicator"):
+        pickle.dumps(P_x)
+    x = torch.rand(3, 6 // comm.size + (comm.rank < 6 % comm.size), dtype=torch.float64)
+    for layer in (DistributedLinearAllGather(P_x, 6, 4).double(), DistributedLayerNorm(P_x, (6,)).double()):
+        twin = copy.deepcopy(layer)
+        assert twin.P_x is P_x
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+        with torch.no_grad():
+            next(twin.parameters()).add_(1)
+        assert not torch.equal(next(twin.parameters()), next(layer.parameters()))
+
+
 @sizes(2, 3)
 def test_partitions_collected_inside_mpi4py(P_world, comm):
     """Partitions in reference cycles (a caught exception's traceback makes them easily) are freed by the garbage

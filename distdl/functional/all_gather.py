@@ -64,7 +64,7 @@ def all_gather(x: torch.Tensor, P_x: MPIPartition, axes_all_gather: Iterable[int
     where = "all_gather"
     fibre = member_plan(where, x, P_x, axes_all_gather, axes_keep, "axes_all_gather", summed=False)
     if fibre is None:
-        return x.clone()
+        return in_graph(x).clone()  # backward runs here too
     # In check mode, before the header round (whose message a mismatched collective would truncate); the
     # headers then check dtypes and shapes with their own errors.
     verify(where, fibre.P_fibre, x, ("dim", "device"))

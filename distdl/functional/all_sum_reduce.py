@@ -51,7 +51,7 @@ def all_sum_reduce(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int
         raise
     if plan.P_fibre is None:  # outside P_x
         check_idle_input("all_sum_reduce", P_x, x)
-        return x.clone()
+        return in_graph(x).clone()  # backward runs here too
     return _run(x, plan)
 
 

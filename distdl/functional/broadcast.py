@@ -76,7 +76,7 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (plan.P_send.active or plan.P_recv.active):
-        return x.clone()
+        return in_graph(x).clone()  # backward runs here too
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _broadcast(x, bool(preserve_batch), plan)
     return _Broadcast.apply(in_graph(x), plan, P_x, bool(preserve_batch))

@@ -72,7 +72,7 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
         raise
     verify("halo_exchange", P_x, x, ("dim", "dtype", "device"))
     if not P_x.active:
-        return x.clone()
+        return in_graph(x).clone()  # backward runs here too
     return _HaloExchange.apply(in_graph(x), P_x, widths)
 
 
@@ -92,7 +92,7 @@ def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths
         raise
     verify("halo_exchange_adjoint", P_x, y, ("dim", "dtype", "device"))
     if not P_x.active:
-        return y.clone()
+        return in_graph(y).clone()  # backward runs here too
     return _HaloExchangeAdjoint.apply(in_graph(y), P_x, widths)
 
 

@@ -58,7 +58,7 @@ def reduce_scatter(x: torch.Tensor, P_x: MPIPartition, axes_reduce_scatter: Iter
     where = "reduce_scatter"
     fibre = member_plan(where, x, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter", summed=True)
     if fibre is None:
-        return x.clone()
+        return in_graph(x).clone()  # backward runs here too
     P_fibre, axes = fibre.P_fibre, fibre.axes
     # The headers are a safety check here (every member holds the full shape): members that
     # disagree all raise instead of posting mismatched reductions. Small tensors ride along.

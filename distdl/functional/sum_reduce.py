@@ -77,7 +77,7 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (plan.P_send.active or plan.P_recv.active):
-        return x.clone()
+        return in_graph(x).clone()  # backward runs here too
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _sum_reduce(x, bool(preserve_batch), plan.P_recv, plan.P_send, plan.blocking)
     return _SumReduce.apply(in_graph(x), plan, P_y, bool(preserve_batch))

@@ -203,7 +203,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return x.clone()
+            return in_graph(x).clone()  # backward runs here too
         if x.dim() != self.P_x.dim or x.shape[1] != self.num_features:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.num_features} "
                              f"channels (dimension 1) for P_x of shape {self.P_x.shape}, got shape {tuple(x.shape)}")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from distdl.backends import mpi as transport
-from distdl.functional._common import check_partition
+from distdl.functional._common import check_partition, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn import _windows
@@ -123,7 +123,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         name = type(self).__name__
         _windows.check_input(name, x, self.P_x, self.in_channels)
         if not self.P_x.active:
-            return x.clone()
+            return in_graph(x).clone()  # backward runs here too
         if x.dtype != self.weight.dtype:
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
         key = ("conv", self.kernel_size, self.stride, self._pads, self.dilation, self.out_channels)

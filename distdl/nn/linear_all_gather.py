@@ -137,7 +137,7 @@ def _all_gather_linear(where, x, weight, P_x, axis):
     """Return ``(all_gather(x) @ weight.T, all_gather(x))`` (differentiable in both)."""
     check_idle_input(where, P_x, x)
     if not P_x.active:
-        return x.clone(), x.clone()
+        return in_graph(x).clone(), in_graph(x).clone()
     if x.dim() != P_x.dim:
         raise ValueError(f"{where}: expected a tensor of {P_x.dim} dimensions to match P_x of shape {P_x.shape}, "
                          f"got shape {tuple(x.shape)}")
@@ -272,7 +272,7 @@ class DistributedLinearAllGather(CollectStateMixin, torch.nn.Module):
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return x.clone()
+            return in_graph(x).clone()  # backward runs here too
         if x.dim() != self.P_x.dim or x.shape[-1] != self.local_in_features:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.local_in_features} "
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
