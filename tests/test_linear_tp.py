@@ -163,6 +163,25 @@ def test_state_dict_round_trip(P_world, comm, kind):
 
 
 @pytest.mark.parametrize("kind", LAYERS)
+@sizes(2, 3)
+def test_unexpected_keys_raise_on_every_member(P_world, comm, kind):
+    """Rank 0's state dict has a key the layer lacks (a bias): every member raises, not rank 0 alone (the others
+    returned and went on, out of step with it); strict=False then loads on every member."""
+    P_shape, axis, x_shape, n_in, n_out = CASES[comm.size][0]
+    P_x = _partition(P_world, kind, P_shape, axis)
+    _, ref = _pair(kind, P_x, axis, n_in, n_out, seed=8)
+    layer = LAYERS[kind](P_x, n_in, n_out, bias=False, axis=axis, collect_state=True).double()
+    state = ref.state_dict() if comm.rank == 0 else {}
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "bias"'):
+        layer.load_state_dict(state)
+    result = layer.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == ["bias"] and result.missing_keys == []
+    saved = layer.state_dict()  # collective
+    if P_x.rank == 0:
+        assert saved["weight"].equal(ref.weight)
+
+
+@pytest.mark.parametrize("kind", LAYERS)
 @sizes(2, 4)
 def test_initialisation(P_world, comm, kind):
     """Blocks of one global U(-1/sqrt(in), 1/sqrt(in)) draw; replicas equal even when the seeds differ."""

@@ -112,8 +112,12 @@ class CollectStateMixin:
                               error_msgs):
         if self.collect_state:
             self._distribute_state(state_dict, prefix, error_msgs)
+        found = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        P = self._state_partition() if self.collect_state else None
+        if P is not None and P.active and P.size > 1:  # rank 0's dict decides here too: every member raises alike
+            unexpected_keys[found:] = P.comm.bcast(unexpected_keys[found:] if P.rank == 0 else None, root=0)
 
     def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str]) -> None:
         """Replace this layer's entries of ``state_dict`` by this worker's blocks of rank 0's values."""
