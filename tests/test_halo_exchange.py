@@ -245,11 +245,12 @@ def test_a_dimension_that_fails_does_not_desynchronise_the_next(P_world, comm):
     x = torch.arange(36.0).reshape(6, 6) + 100 * comm.rank
     y = halo_exchange(x, P, ones, ones, ones)
     neighbours = comm.allgather(x)
-    i, j = P.index
-    if i == 0:
-        torch.testing.assert_close(y[-1, 1:-1], neighbours[P.rank + 2][1, 1:-1])
-    if j == 0:
-        torch.testing.assert_close(y[1:-1, -1], neighbours[P.rank + 1][1:-1, 1])
+    i, j = P.index  # every worker has one neighbour along each dimension (below or above, right or left)
+    vertical, horizontal = neighbours[P.rank + 2 - 4 * i], neighbours[P.rank + 1 - 2 * j]
+    rows = (y[-1, 1:-1], vertical[1, 1:-1]) if i == 0 else (y[0, 1:-1], vertical[-2, 1:-1])
+    columns = (y[1:-1, -1], horizontal[1:-1, 1]) if j == 0 else (y[1:-1, 0], horizontal[1:-1, -2])
+    torch.testing.assert_close(*rows)
+    torch.testing.assert_close(*columns)
 
 
 @sizes(3)
