@@ -69,8 +69,8 @@ def test_adjoint_and_dtypes(P_world, comm):
     integers = (x * 100).long()
     torch.testing.assert_close(layer(scatter(integers, P_x)), scatter(ref(integers), P_x), rtol=0, atol=0)
     layer, ref = _layers("Max", dims, P_x, **kwargs)
-    if dims > 1:  # torch has no integer max_pool1d
-        torch.testing.assert_close(layer(scatter(integers, P_x)), scatter(ref(integers), P_x), rtol=0, atol=0)
+    expected = ref(integers.double()).long()  # torch has no integer max_pool1d; distdl's takes them in every dim
+    torch.testing.assert_close(layer(scatter(integers, P_x)), scatter(expected, P_x), rtol=0, atol=0)
     x_local = scatter(x, P_x).transpose(0, 1).contiguous().transpose(0, 1)  # a non-contiguous block
     torch.testing.assert_close(layer(x_local), scatter(ref(x), P_x), rtol=0, atol=0)
 
@@ -117,6 +117,28 @@ def test_errors(P_world, comm):
         layer(torch.ones(1, 2, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"expected an input large enough for an output, got global shape"):
         layer(torch.ones(1, 2, 1 if comm.rank == 0 else 0))
+    for dtype in (torch.bool, torch.complex64):  # on every worker, before any exchange
+        with pytest.raises(TypeError, match=rf"DistributedMaxPool1d: expected a real tensor, got {dtype}"):
+            pooling.DistributedMaxPool1d(P_x, 2)(torch.ones(1, 2, 4 if comm.rank == 0 else 0, dtype=dtype))
+
+
+@sizes(1, 2, 3)
+def test_max_windows_wholly_in_the_padding(P_world, comm):
+    """A dilated window may lie wholly in the padding (kernel 2, dilation 3, padding 1 over 2 pixels): its output
+    is -inf, as torch's, and it sends no gradient anywhere (torch's own index points past the input: its backward
+    wrote into the next channel's gradient, or past the buffer)."""
+    for P_shape, x_shape, kwargs in (((1, 1, 1, comm.size), (2, 3, 2, 4), dict(kernel_size=(2, 1), stride=(3, 1))),
+                                     ((1, 1, comm.size), (1, 3, 2), dict(kernel_size=2, stride=3))):
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        dims = len(P_shape) - 2
+        layer = getattr(pooling, f"DistributedMaxPool{dims}d")(P_x, padding=1 if dims == 1 else (1, 0),
+                                                                 dilation=3 if dims == 1 else (3, 2), **kwargs)
+        x = scatter(random_tensor(x_shape, seed=0), P_x).requires_grad_()
+        y = layer(x)
+        assert y.shape == scatter(torch.zeros(x_shape[:2] + (1,) + x_shape[3:]), P_x).shape
+        assert torch.equal(y, torch.full_like(y, -torch.inf))
+        y.backward(random_tensor(y.shape, seed=comm.rank))
+        assert torch.equal(x.grad, torch.zeros_like(x))
 
 
 @sizes(1, 2, 3, 4)

@@ -98,8 +98,15 @@ def _case(P_world, seed):
         except ValueError:
             return None
         return f"no error where torch raises {error}" if P_x.active else None
-    if kind == "max" and torch.isinf(y_ref).any():
-        return None  # a window of padding only: torch's index lies outside the input (its backward writes there)
+    if kind == "max" and torch.isinf(y_ref).any():  # a window of padding only: torch's index lies outside the
+        # input (its backward writes there); the reference pads explicitly, so that the window sends no gradient
+        pad = [p for side in reversed(reference.padding) for p in (side, side)]
+        padded = getattr(torch.nn.functional, f"max_pool{dims}d")(
+            torch.nn.functional.pad(x_ref, pad, value=-torch.inf), reference.kernel_size, reference.stride, 0,
+            reference.dilation, reference.ceil_mode)[tuple(slice(n) for n in y_ref.shape)]  # ceil_mode: no more
+        if not torch.equal(padded, y_ref):
+            return "the explicitly padded reference differs from torch's"
+        y_ref = padded
     x_local = scatter(x, P_x).requires_grad_()
     y = layer(x_local)
     dy = random_tensor(y_ref.shape, seed + 1)

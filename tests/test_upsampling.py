@@ -1,5 +1,8 @@
 """DistributedUpsample: forward and input gradient equal torch's on the gathered tensors."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -89,8 +92,11 @@ def test_errors(P_world, comm):
     with pytest.raises(ValueError, match=r"expected recompute_scale_factor only with scale_factor \(as torch\), got "
                                          r"it with size=5"):
         DistributedUpsample(P_x, size=5, recompute_scale_factor=True)
-    with pytest.raises(ValueError, match=r"expected scale_factor as a positive number or 1 of them, got -1"):
-        DistributedUpsample(P_x, scale_factor=-1)
+    for bad in (-1, True, math.inf, "2", (2, 2), torch.tensor([2.0])):
+        with pytest.raises(ValueError, match=r"expected scale_factor as a positive number or 1 of them, got "):
+            DistributedUpsample(P_x, scale_factor=bad)
+    for factor, expected in ((np.float32(2.5), 2.5), (torch.tensor(2.5), 2.5), ([np.int64(2)], 2.0)):  # as torch
+        assert DistributedUpsample(P_x, scale_factor=factor).scale_factor == (expected,)
     layer = DistributedUpsample(P_x, scale_factor=2, mode="linear")
     with pytest.raises(ValueError, match=r"DistributedUpsample: expected a tensor of 3 dimensions"):
         layer(torch.ones(2, 4))

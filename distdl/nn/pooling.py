@@ -32,7 +32,7 @@ from distdl.partition import MPIPartition
 __all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
 
-_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_MAX = {2: F.max_pool2d, 3: F.max_pool3d}
 
 Size = int | tuple[int, ...]
 
@@ -99,6 +99,8 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of the max pooling; zero-volume outside ``P_x``."""
+        if x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{type(self).__name__}: expected a real tensor, got {x.dtype}")
         plan, window, shape = self._windowed(x)
         if plan is None:
             return window
@@ -110,10 +112,20 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
                 index = torch.arange(a, b, device=x.device).view((-1,) + (1,) * (self.dims - 1 - k))
                 mask = (index >= 0) & (index < n)
                 inside = mask if inside is None else inside & mask
+        lowest = -torch.inf if window.is_floating_point() else torch.iinfo(window.dtype).min
         if inside is not None:
-            lowest = -torch.inf if window.is_floating_point() else torch.iinfo(window.dtype).min
             window = window.masked_fill(~inside, lowest)
-        return _MAX[self.dims](window, self.kernel_size, self.stride, plan.padding, self.dilation)
+        padding = plan.padding
+        if any(padding) and any(d > 1 for d in self.dilation):
+            # A dilated window may lie wholly in torch's padding, where torch's index points past the input and its
+            # backward writes there (another plane's gradient, or past the buffer): pad here instead, so that the
+            # index points into the pad, whose gradient F.pad's backward drops.
+            window, padding = F.pad(window, [p for side in reversed(padding) for p in (side, side)],
+                                    value=lowest), (0,) * self.dims
+        if self.dims == 1:  # through the 2-d kernel, which also takes integer tensors (torch's 1-d one does not)
+            return F.max_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride,
+                                (0, *padding), (1,) + self.dilation).squeeze(-2)
+        return _MAX[self.dims](window, self.kernel_size, self.stride, padding, self.dilation)
 
 
 class _DistributedAvgPoolNd(_DistributedPoolNd):

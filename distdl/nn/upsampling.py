@@ -20,6 +20,7 @@ outside P_x                   passes and gets a zero-volume tensor
 from __future__ import annotations
 
 import math
+import numbers
 from fractions import Fraction
 
 import numpy as np
@@ -73,6 +74,16 @@ def coordinates(mode: str, align_corners: bool, n: int, length: int, scale_facto
     return index0, index0 + (index0 < n - 1), (real(1) - lambda1).astype(real), lambda1
 
 
+def _factor(f: object) -> float | None:
+    """Return a scale factor as a float, or None unless it is a finite positive number as torch takes them (Python
+    and NumPy numbers, 0-d tensors)."""
+    if isinstance(f, torch.Tensor) and f.dim() == 0 and f.dtype != torch.bool and not f.is_complex():
+        f = f.item()
+    if not isinstance(f, numbers.Real) or isinstance(f, bool):
+        return None
+    return float(f) if 0 < f < math.inf else None
+
+
 class DistributedUpsample(torch.nn.Module):
     """Upsample ``(N, C, *spatial)`` tensors partitioned by ``P_x`` (any axis may be split).
 
@@ -108,12 +119,13 @@ class DistributedUpsample(torch.nn.Module):
         self.size = None if size is None else _windows.as_tuple(name, "size", size, d, minimum=1)
         self.scale_factor = None
         if scale_factor is not None:
-            factors = (scale_factor,) * d if isinstance(scale_factor, (int, float)) else tuple(scale_factor)
-            if len(factors) != d or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not f > 0
-                                        for f in factors):
+            single = _factor(scale_factor)
+            factors = [single] * d if single else \
+                [_factor(f) for f in scale_factor] if isinstance(scale_factor, (tuple, list)) else []
+            if len(factors) != d or not all(factors):
                 raise ValueError(f"{name}: expected scale_factor as a positive number or {d} of them, "
                                  f"got {scale_factor!r}")
-            self.scale_factor = tuple(float(f) for f in factors)
+            self.scale_factor = tuple(factors)
         self.recompute_scale_factor = recompute_scale_factor
 
     def _length(self, k: int, n: int) -> int:
