@@ -176,6 +176,10 @@ def test_errors(P_world, comm):
             DistributedBatchNorm(P_world.create_cartesian_topology_partition((1, 2)), 3)
     with pytest.raises(ValueError, match="DistributedBatchNorm: expected a partition of at least 2 dimensions"):
         DistributedBatchNorm(P_world, 3)
+    with pytest.raises(TypeError, match="DistributedBatchNorm: expected an int for num_features, got 2.5"):
+        DistributedBatchNorm(P_world, 2.5)
+    with pytest.raises(TypeError, match="DistributedBatchNorm: expected a bool for collect_state, got 'no'"):
+        DistributedBatchNorm(P_world.create_cartesian_topology_partition((comm.size, 1)), 3, collect_state="no")
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
     layer = DistributedBatchNorm(P_x, 3)
     with pytest.raises(ValueError, match=r"DistributedBatchNorm: expected a tensor of 3 dimensions with 3 channels "

@@ -134,6 +134,8 @@ def test_errors(P_world, comm):
         DistributedFeatureConv1d(P_x, 2, 2, 3, padding_mode="circular")
     with pytest.raises(ValueError, match="expected in_channels and out_channels divisible by groups"):
         DistributedFeatureConv1d(P_x, 3, 2, 3, groups=2)
+    with pytest.raises(TypeError, match="DistributedFeatureConv1d: expected a bool for collect_state, got 'no'"):
+        DistributedFeatureConv1d(P_x, 2, 2, 3, collect_state="no")
     with pytest.raises(ValueError, match=r"expected kernel_size as an int or a sequence of 1, each at least 1, "
                                          r"got \(3, 3\)"):
         DistributedFeatureConv1d(P_x, 2, 2, (3, 3))

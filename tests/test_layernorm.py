@@ -142,6 +142,11 @@ def test_errors(P_world, comm):
     with pytest.raises(ValueError, match=r"DistributedLayerNorm: expected a normalized_shape of 1 to 3 non-negative "
                                          r"extents for P_x of shape \(1, 1, \d\), got \(1, 2, 3, 4\)"):
         DistributedLayerNorm(P_x, (1, 2, 3, 4))
+    for bad in (3.0, torch.tensor(3)):  # not a sequence (tuple() of it failed with Python's own message)
+        with pytest.raises(ValueError, match=r"DistributedLayerNorm: expected a normalized_shape of 1 to 3"):
+            DistributedLayerNorm(P_x, bad)
+    with pytest.raises(TypeError, match="DistributedLayerNorm: expected a bool for bias, got None"):
+        DistributedLayerNorm(P_x, 5, bias=None)
     layer = DistributedLayerNorm(P_x, 5)
     local = 5 if comm.size == 1 else 3 - comm.rank
     with pytest.raises(ValueError, match=rf"DistributedLayerNorm: expected a tensor of 3 dimensions ending in this "

@@ -145,3 +145,18 @@ def test_errors(P_world, comm):
         with pytest.raises(ValueError, match=r"DistributedLinear: worker 1 is outside P_x and expected a zero-volume "
                                              r"tensor, got shape \(3, 4\)"):
             outside(torch.ones(3, 4))
+
+
+@sizes(2)
+def test_input_dtype_checked_before_the_broadcast(P_world, comm):
+    """An input of another dtype than the parameters raises on the worker that holds it, before any message (torch
+    raised on the workers of P_w after the broadcast, and the input's worker waited in the sum-reduce)."""
+    P_x = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    P_w = P_world.create_partition_inclusive([1]).create_cartesian_topology_partition((1, 1))
+    layer = DistributedLinear(P_x, P_x, P_w, 4, 3, dtype=torch.float64)
+    if P_x.active:
+        with pytest.raises(TypeError, match=r"DistributedLinear: expected an input of the parameters' dtype "
+                                             r"torch.float64, got torch.float32 on worker 0"):
+            layer(torch.ones(2, 4))
+    y = layer(torch.ones(2, 4, dtype=torch.float64) if P_x.active else torch.zeros(0, dtype=torch.float64))
+    assert y.shape == ((2, 3) if P_x.active else (0,))

@@ -136,6 +136,11 @@ def test_inactive_workers_and_float32(P_world, comm):
     if not outside.active:
         assert loss.shape == () and loss.requires_grad
         loss.backward()  # a constant input still gives a loss one can call backward() on
+    outside_2d = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    for loss in (losses.DistributedL1Loss(outside, reduction="none"),
+                 losses.DistributedCrossEntropyLoss(outside_2d, reduction="none")):
+        if not outside.active:  # (the zero-volume loss had no autograd history)
+            loss(torch.zeros(0), torch.zeros(0, dtype=torch.long)).sum().backward()
 
 
 @sizes(1, 2)
@@ -160,3 +165,17 @@ def test_errors(P_world, comm):
     ce = losses.DistributedCrossEntropyLoss(P_x)
     with pytest.raises(ValueError, match=r"DistributedCrossEntropyLoss: expected a target of shape \(3,\)"):
         ce(torch.ones(3, 4), torch.ones(3, 4, dtype=torch.long))
+
+
+@pytest.mark.filterwarnings("ignore:indexing with dtype torch.uint8 is now deprecated")
+@sizes(1, 2, 3)
+def test_cross_entropy_weight_with_byte_targets(P_world, comm):
+    """torch takes uint8 class indices; the weighted count of a 'mean' must read them as classes, not as a boolean
+    mask of the weight (a block of as many targets as classes passed as one: a silently wrong mean)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((4 * comm.size, 4), seed=1)
+    t = torch.randint(0, 4, (4 * comm.size,), generator=torch.Generator().manual_seed(2)).to(torch.uint8)
+    weight = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
+    for kwargs in ({"weight": weight}, {"weight": weight, "ignore_index": 3}):
+        _check(P_x, losses.DistributedCrossEntropyLoss(P_x, **kwargs), torch.nn.CrossEntropyLoss(**kwargs), x, t,
+               comm, lambda t: scatter(t.unsqueeze(1), P_x).squeeze(1))

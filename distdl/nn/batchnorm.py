@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import all_sum_reduce, fibre
+from distdl.nn.linear import check_features
 from distdl.nn.module import CollectStateMixin
 from distdl.partition import MPIPartition
 
@@ -168,11 +169,13 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         super().__init__()
         name = type(self).__name__
         check_partition(name, "P_x", P_x)
+        check_features(name, num_features=num_features)
         if P_x.dim < 2 or P_x.shape[1] != 1:
             raise ValueError(f"{name}: expected a partition of at least 2 dimensions whose channel axis (1) has "
                              f"extent 1, got shape {P_x.shape}")
         self.P_x, self.num_features, self.eps, self.momentum = P_x, num_features, eps, momentum
-        self.affine, self.track_running_stats, self.collect_state = affine, track_running_stats, collect_state
+        self.affine, self.track_running_stats, self.collect_state = check_flags(
+            name, affine=affine, track_running_stats=track_running_stats, collect_state=collect_state)
         self.axes = tuple(range(P_x.dim))
         fibre(P_x, self.axes)  # the communicator is built here, once
         factory = {"device": device, "dtype": dtype}

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from distdl.backends import mpi as transport
-from distdl.functional._common import check_partition, in_graph
+from distdl.functional._common import check_flags, check_partition, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn import _windows
@@ -75,7 +75,8 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         if padding_mode != "zeros":
             raise ValueError(f"{name}: expected padding_mode 'zeros' (the only one supported), got {padding_mode!r}")
         self.P_x, self.in_channels, self.out_channels, self.groups = P_x, in_channels, out_channels, groups
-        self.padding_mode, self.collect_state = padding_mode, collect_state
+        self.padding_mode = padding_mode
+        bias, self.collect_state = check_flags(name, bias=bias, collect_state=collect_state)
         self.kernel_size = _windows.as_tuple(name, "kernel_size", kernel_size, d, minimum=1)
         self.stride = _windows.as_tuple(name, "stride", stride, d, minimum=1)
         self.dilation = _windows.as_tuple(name, "dilation", dilation, d, minimum=1)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn.batchnorm import global_moments
@@ -50,13 +50,17 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         name = type(self).__name__
         check_partition(name, "P_x", P_x)
         integer = (int, np.integer)  # torch takes NumPy integers too
-        shape = (normalized_shape,) if isinstance(normalized_shape, integer) else tuple(normalized_shape)
+        try:
+            shape = (normalized_shape,) if isinstance(normalized_shape, integer) else tuple(normalized_shape)
+        except TypeError:  # not a sequence (a float, a 0-d tensor): the error below names it
+            shape = (normalized_shape,)
         if not 0 < len(shape) <= P_x.dim or any(not isinstance(n, integer) or n < 0 for n in shape):
             raise ValueError(f"{name}: expected a normalized_shape of 1 to {P_x.dim} non-negative extents for P_x "
                              f"of shape {P_x.shape}, got {normalized_shape!r}")
         shape = tuple(int(n) for n in shape)
         self.P_x, self.normalized_shape, self.eps = P_x, shape, eps
-        self.elementwise_affine, self.collect_state = elementwise_affine, collect_state
+        self.elementwise_affine, bias, self.collect_state = check_flags(
+            name, elementwise_affine=elementwise_affine, bias=bias, collect_state=collect_state)
         self.axes = tuple(range(P_x.dim - len(shape), P_x.dim))  # the partition axes of the normalised dims
         self.axes_replicated = tuple(range(P_x.dim - len(shape)))
         fibre(P_x, self.axes)  # the communicators are built here, once

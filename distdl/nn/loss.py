@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distdl.functional._common import check_idle_input, check_partition, check_tensor
+from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
 from distdl.partition import MPIPartition
@@ -60,7 +60,7 @@ class _DistributedLoss(torch.nn.Module):
             check_idle_input(name, self.P_x, tensor)
         if not self.P_x.active:
             if self.reduction == "none":
-                return input.clone()
+                return in_graph(input).clone()  # backward runs here too
             loss = input.sum()  # 0 from a zero-volume input; differentiable so backward() works everywhere
             return loss if loss.requires_grad else loss.requires_grad_()
         if input.dim() != self.P_x.dim:
@@ -164,5 +164,5 @@ class DistributedCrossEntropyLoss(_DistributedLoss):
     def _count(self, input, target):
         if target.is_floating_point():
             return target.numel() // max(input.shape[1], 1)
-        kept = target[target != self.ignore_index]
+        kept = target[target != self.ignore_index].long()  # uint8 targets would index the weight as a mask
         return kept.numel() if self.weight is None else self.weight[kept].sum(dtype=torch.float64).detach()
