@@ -5,6 +5,8 @@ not require grad (or a worker feeds in data); without care its output would carr
 history, its backward would skip the adjoint and the workers waiting for it would hang.
 """
 
+import math
+
 import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -146,3 +148,38 @@ def test_workers_outside_a_layer_run_backward(P_world, comm):
         y = layer(x)
         assert y.requires_grad, type(layer).__name__
         y.sum().backward()  # every worker; those in the layer wait for each other's adjoints
+
+
+@sizes(2)
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_where_some_workers_save_nothing(P_world, comm, reentrant):
+    """Checkpointed regions in which one worker saves tensors (a weight block, a local stage) and the other only runs
+    collectives: every worker recomputes the region before its first backward collective in it (non-reentrant
+    checkpointing recomputed on worker 1 only and hung, or paired a recomputed repartition with a backward one)."""
+    from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+    from distdl.nn import DistributedChannelConv1d, Repartition
+    P_0, P_1 = (P_world.create_partition_inclusive([r]) for r in (0, 1))
+    P0_2, P1_2 = (P.create_cartesian_topology_partition([1, 1]) for P in (P_0, P_1))
+    P0_3, P1_3 = (P.create_cartesian_topology_partition([1, 1, 1]) for P in (P_0, P_1))
+    linear = DistributedLinear(P0_2, P0_2, P1_2, 4, 3).double()
+    conv = DistributedChannelConv1d(P0_3, P0_3, P1_3, 2, 3, 3, padding=1).double()
+    stage = torch.nn.Linear(5, 5).double()
+    there, back = Repartition(P0_3, P1_3), Repartition(P1_3, P0_3)
+    pipeline = torch.nn.Sequential(there, torch.nn.Identity() if P_0.active else stage, back)
+    cases = [(lambda f, x: checkpoint(f, x, use_reentrant=reentrant), linear, (2, 4)),
+             (lambda f, x: checkpoint(f, x, use_reentrant=reentrant), conv, (2, 2, 5)),
+             (lambda f, x: checkpoint(f, x, use_reentrant=reentrant), pipeline, (2, 2, 5)),
+             (lambda f, x: checkpoint_sequential(f, 2, x, use_reentrant=reentrant), pipeline, (2, 2, 5))]
+    for run, f, shape in cases:
+        x = random_tensor(shape, seed=3) if P_0.active else zero_volume_tensor(dtype=torch.float64)
+        grads = []
+        for checkpointed in (False, True):
+            x_k = x.clone().requires_grad_()
+            for p in (*linear.parameters(), *conv.parameters(), *stage.parameters()):
+                p.grad = None
+            (run(f, x_k) if checkpointed else f(x_k)).square().sum().backward()
+            grads.append([x_k.grad] + [p.grad for p in f.parameters()])
+        assert grads[0][0].numel() == (math.prod(shape) if P_0.active else 0)
+        assert any(g is not None and g.numel() for g in grads[0])  # worker 1 holds the weight or the stage
+        torch.testing.assert_close(grads[1], grads[0])

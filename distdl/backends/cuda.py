@@ -28,6 +28,8 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from mpi4py import MPI
 
+from distdl.utilities.torch import eager_when_compiled
+
 __all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged", "needs_staging"]
 
 _log = logging.getLogger("distdl")
@@ -148,10 +150,11 @@ def host_staged(function):
     """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it.
 
     Every primitive's entry: it also refuses forward-mode AD's dual tensors, whose tangent the primitive would
-    drop (a zero derivative, silently).
+    drop (a zero derivative, silently), and runs eagerly under torch.compile.
     """
     name = next(iter(inspect.signature(function).parameters))  # the tensor's, also when passed by keyword
 
+    @eager_when_compiled
     @functools.wraps(function)
     def staged(*args, **kwargs):
         x = args[0] if args else kwargs.get(name)

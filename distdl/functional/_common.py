@@ -67,6 +67,32 @@ def in_graph(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# Non-reentrant activation checkpointing (torch.utils.checkpoint, use_reentrant=False) recomputes a region's forward
+# when backward first unpacks a tensor saved in it, and stops after the last one. A worker whose part of the region
+# saves nothing (a collective's adjoint needs no tensor) would recompute late or not at all, while its peers'
+# recomputed collectives wait for it. So where saved-tensor hooks are on, a collective saves an empty tensor, and
+# unpacks it before its adjoint communicates: every worker recomputes the region's collectives first.
+_ANCHOR = torch.empty(0)
+try:
+    _saved_tensor_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    _saved_tensor_hooks(False)
+except (AttributeError, TypeError):  # a torch without it: always save
+    _saved_tensor_hooks = bool
+
+
+def save_anchor(ctx) -> None:
+    """In a collective's forward: save the recomputation anchor where saved-tensor hooks are on (see above)."""
+    if _saved_tensor_hooks(False) is not None:
+        ctx.save_for_backward(_ANCHOR)
+        ctx.anchored = True
+
+
+def load_anchor(ctx) -> None:
+    """First thing in a collective's backward: unpack the anchor, if saved (see above)."""
+    if getattr(ctx, "anchored", False):
+        ctx.saved_tensors
+
+
 def grad_like(grad: torch.Tensor, x_shape: torch.Size, x_dtype: torch.dtype) -> torch.Tensor:
     """Return ``grad`` shaped as the input it belongs to (zero-volume placeholders may differ in shape and dtype).
 

@@ -33,7 +33,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       header_of, in_graph)
+                                       header_of, in_graph, load_anchor, save_anchor)
 from distdl.functional._messages import (HEADER_BYTES, carries_payload, copy_payloads, decode, encode_message,
                                          message_length, payloads)
 from distdl.functional.all_sum_reduce import FibrePlan, checked_fibre, fibre_plan
@@ -265,12 +265,14 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, call):
+        save_anchor(ctx)
         P_x, fibre, plan, messages = call
         ctx.call = P_x, fibre, plan
         return _gather(x, fibre.P_fibre, plan, messages)
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         from distdl.functional.reduce_scatter import reduce_scatter, scatter_adjoint
         P_x, fibre, plan = ctx.call
         if torch.is_grad_enabled():  # double backward: record the adjoint too

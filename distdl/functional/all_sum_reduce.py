@@ -19,7 +19,8 @@ import torch
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph, resolve_axes_cached
+from distdl.functional._common import (check_idle_input, check_partition, check_tensor, in_graph, load_anchor,
+                                       resolve_axes_cached, save_anchor)
 from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 
@@ -141,11 +142,13 @@ class _AllSumReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan):  # one argument besides x: each costs autograd ~1 us
+        save_anchor(ctx)
         ctx.plan = plan
         return _sum(x, plan)
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         # Self-adjoint; autograd gives grad_y y's dtype, so the forward's plan holds (in a double
         # backward, _run records the adjoint too).
         return _run(grad_y, ctx.plan, "all_sum_reduce (backward)"), None

@@ -33,7 +33,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, grad_like,
-                                       header_of, in_graph, zero_volume_like)
+                                       header_of, in_graph, load_anchor, save_anchor, zero_volume_like)
 from distdl.functional._messages import (decode, empty_message, encode_message, inline, inline_payload)
 from distdl.functional.repartition import union
 from distdl.checks import announce, check_mode, verify
@@ -216,12 +216,14 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan, P_x, preserve_batch):  # few arguments: each costs autograd ~1 us
+        save_anchor(ctx)
         ctx.plan, ctx.P_x, ctx.preserve_batch, ctx.x_shape, ctx.x_dtype = plan, P_x, preserve_batch, x.shape, x.dtype
         ctx.P_dest = plan.dest_ref()  # the plan holds it weakly; a backward with create_graph needs it
         return _broadcast(x, preserve_batch, plan)
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         from distdl.functional.sum_reduce import _sum_reduce, sum_reduce  # the adjoints refer to each other
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too

@@ -35,7 +35,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
+                                       load_anchor, save_anchor)
 from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 
@@ -139,6 +140,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, P_x, widths):
+        save_anchor(ctx)
         ctx.P_x, ctx.widths = P_x, widths
         y = x.clone(memory_format=torch.contiguous_format)
         _exchange("halo_exchange", y, P_x, widths, adjoint=False)
@@ -146,6 +148,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         return halo_exchange_adjoint(grad_y, ctx.P_x, *ctx.widths), None, None
 
 
@@ -153,6 +156,7 @@ class _HaloExchangeAdjoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, P_x, widths):
+        save_anchor(ctx)
         ctx.P_x, ctx.widths = P_x, widths
         x = y.to(transport.reduction_dtype("halo_exchange_adjoint", y.dtype), memory_format=torch.contiguous_format,
                  copy=True)
@@ -161,6 +165,7 @@ class _HaloExchangeAdjoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x):
+        load_anchor(ctx)
         return halo_exchange(grad_x, ctx.P_x, *ctx.widths), None, None
 
 

@@ -33,12 +33,14 @@ from collections.abc import Iterable
 import torch
 
 from distdl.functional.all_sum_reduce import all_sum_reduce, validate
-from distdl.functional._common import in_graph
+from distdl.functional._common import in_graph, load_anchor, save_anchor
 from distdl.partition import MPIPartition
+from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["all_sum_reduce_forward", "all_sum_reduce_backward"]
 
 
+@eager_when_compiled
 def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                            axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return the fibre sum of ``x`` (forward: all-sum-reduce; backward: identity)."""
@@ -46,6 +48,7 @@ def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iter
     return _Pair.apply(in_graph(x), all_sum_reduce(x.detach(), P_x, axes), P_x, axes, True)
 
 
+@eager_when_compiled
 def all_sum_reduce_backward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                             axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return a copy of ``x`` (forward: identity; backward: all-sum-reduce of the gradient)."""
@@ -58,11 +61,13 @@ class _Pair(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, P_x, axes, reduce_in_forward):
+        save_anchor(ctx)
         ctx.P_x, ctx.axes = P_x, axes
         ctx.reduce_in_forward = reduce_in_forward
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         partner = all_sum_reduce_backward if ctx.reduce_in_forward else all_sum_reduce_forward
         return partner(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None, None

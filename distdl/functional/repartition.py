@@ -34,7 +34,8 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       decode_header, grad_like, header_of, in_graph, zero_volume_like)
+                                       decode_header, grad_like, header_of, in_graph, load_anchor, save_anchor,
+                                       zero_volume_like)
 from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
                                          message_length, payloads)
 from distdl.checks import announce, check_mode, verify
@@ -136,12 +137,14 @@ class _Repartition(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pair):  # one argument besides x: each costs autograd ~1 us
+        save_anchor(ctx)
         ctx.P_x, ctx.P_y, ctx.pair, ctx.x_shape, ctx.x_dtype = pair.x_ref(), pair.y_ref(), pair, x.shape, x.dtype
         y, ctx.plan = _forward(x, ctx.P_x, ctx.P_y, pair)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         pair = ctx.pair
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, pair.preserve_batch)

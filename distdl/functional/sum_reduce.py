@@ -31,8 +31,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like,
-                                       header_of, in_graph, zero_volume_like)
+from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like, header_of, in_graph,
+                                       load_anchor, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
                                          rides_inline, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
@@ -173,12 +173,14 @@ class _SumReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, plan, P_y, preserve_batch):  # few arguments: each costs autograd ~1 us
+        save_anchor(ctx)
         ctx.plan, ctx.P_y, ctx.preserve_batch, ctx.x_shape, ctx.x_dtype = plan, P_y, preserve_batch, x.shape, x.dtype
         ctx.P_dest = plan.dest_ref()  # the plan holds it weakly; a backward with create_graph needs it
         return _sum_reduce(x, preserve_batch, plan.P_recv, plan.P_send, plan.blocking)
 
     @staticmethod
     def backward(ctx, grad_y):
+        load_anchor(ctx)
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             grad_x = broadcast(grad_y, ctx.P_y, ctx.P_dest, transpose_src=plan.transpose_src,

@@ -26,7 +26,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import check_dim, check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
+                                       load_anchor, save_anchor)
 from distdl.checks import verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
@@ -173,6 +174,7 @@ class _Window(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, P_x, shape, windows, forward):
+        save_anchor(ctx)
         ctx.args = (P_x, shape, windows)
         ctx.forward_direction = forward
         if not P_x.active:
@@ -181,6 +183,7 @@ class _Window(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        load_anchor(ctx)
         adjoint = window_scatter_add if ctx.forward_direction else window_exchange
         return adjoint(grad, *ctx.args), None, None, None, None
 

@@ -40,6 +40,7 @@ from distdl.nn.linear import check_features, global_block, shared_seed, uniform
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index
+from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["DistributedLinearAllGather", "all_gather_linear", "tensor_parallel_partition"]
 
@@ -133,6 +134,7 @@ def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, P_x: MPIPartition, 
     return _all_gather_linear(where, x, weight, P_x, check_axis(where, P_x, axis))[0]
 
 
+@eager_when_compiled
 def _all_gather_linear(where, x, weight, P_x, axis):
     """Return ``(all_gather(x) @ weight.T, all_gather(x))`` (differentiable in both)."""
     check_idle_input(where, P_x, x)

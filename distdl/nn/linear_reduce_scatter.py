@@ -41,10 +41,12 @@ from distdl.nn.linear_all_gather import (RING_TAG, _all_gather_linear, block_ext
                                          check_operands, replicated, rows, tensor_parallel_partition)
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
+from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["DistributedLinearReduceScatter", "linear_reduce_scatter"]
 
 
+@eager_when_compiled
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartition, axis: int) -> torch.Tensor:
     """Return ``reduce_scatter(x @ weight.T, P_y, (axis,))``, computing each block as the previous one travels.
 

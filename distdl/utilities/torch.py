@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-__all__ = ["zero_volume_tensor"]
+__all__ = ["eager_when_compiled", "zero_volume_tensor"]
+
+
+def eager_when_compiled(function):
+    """Decorate a function that communicates so that torch.compile runs it eagerly, between compiled graphs
+    (Dynamo cannot trace MPI, nor the tensor memory handed to it); outside torch.compile it costs ~0.05 us."""
+    eager = torch.compiler.disable(function)  # ~0.35 us a call even in eager mode: only where compiling
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        return eager(*args, **kwargs) if torch.compiler.is_compiling() else function(*args, **kwargs)
+    return run
 
 
 def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False,
