@@ -429,3 +429,86 @@ def test_errors(P_world, comm):
             all_reduce_gradients(odd, P_world)
         with pytest.raises(ValueError, match=r"DataParallel: expected the same parameters"):
             DataParallel(odd, P_world)
+
+
+@sizes(2, 3)
+def test_parameters_changed_after_wrapping(P_world, comm):
+    """Unfrozen, converted to float64 or replaced (load_state_dict(assign=True)) after wrapping: the next forward
+    plans the buckets again on every member, so every gradient is reduced, in its own dtype (the unfrozen layer's
+    gradient stayed local, the float64 ones were summed in float32, the replaced parameters were not reduced)."""
+    x, y = _batch(7, seed=90)
+    mine = _rows(7, comm.size, comm.rank)
+    for change in ("unfreeze", "double", "assign"):
+        model = _mlp(9, torch.float32 if change == "double" else torch.float64)
+        if change == "unfreeze":
+            model[0].requires_grad_(False)
+        wrapped = DataParallel(model, P_world, op="sum")
+        if change == "unfreeze":
+            model[0].requires_grad_(True)
+        elif change == "double":
+            wrapped.double()
+        else:
+            wrapped.load_state_dict({k: v.clone() for k, v in wrapped.state_dict().items()}, assign=True)
+        _step(wrapped, x[mine], y[mine])
+        _assert_grads(wrapped.module, _grads(_mlp(9, torch.float32).double() if change == "double" else _mlp(9), x, y))
+        del wrapped
+
+
+@sizes(2, 3)
+def test_buffers_follow_rank_0_in_training(P_world, comm):
+    """With grad mode on, every forward broadcasts rank 0's buffers first (as torch's DDP), so replicas whose batch
+    statistics drifted apart agree again; not with broadcast_buffers=False, nor under no_grad (no collective)."""
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2).double()
+            self.register_buffer("scale", torch.full((2,), 1.0 + comm.rank, dtype=torch.float64))
+
+        def forward(self, x):
+            return self.linear(x) * self.scale
+
+    x = random_tensor((4, 3), seed=comm.rank)
+    for broadcast in (True, False):
+        wrapped = DataParallel(Scaled(), P_world, broadcast_buffers=broadcast)  # the scales agree after wrapping
+        wrapped.module.scale.fill_(1.0 + comm.rank)  # drift
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(x), wrapped.module.linear(x) * (1.0 + comm.rank))
+        expected = 1.0 if broadcast else 1.0 + comm.rank
+        torch.testing.assert_close(wrapped(x), wrapped.module.linear(x) * expected)
+        assert wrapped.module.scale.eq(expected).all()
+        del wrapped
+    with pytest.raises(TypeError, match="DataParallel: expected a bool for broadcast_buffers, got 1"):
+        DataParallel(Scaled(), P_world, broadcast_buffers=1)
+
+
+@sizes(1, 2, 3)
+def test_sum_of_an_accumulated_gradient_raises(P_world, comm):
+    """op='sum' with a second backward onto the last reduced gradients would sum them again (P.size times too large):
+    it raises on every member; zeroing in place between the steps, or op='avg' (exact either way), does not."""
+    x, y = _batch(2, seed=60 + comm.rank)
+    wrapped = DataParallel(_mlp(6), P_world, op="sum")
+    _step(wrapped, x, y)
+    loss = ((wrapped(x) - y) ** 2).sum()
+    if comm.size > 1:
+        with pytest.raises(RuntimeError, match="DataParallel: expected the gradients zeroed between steps with "
+                                               "op='sum', got a backward that accumulated onto the last reduced"):
+            loss.backward()
+    wrapped.zero_grad(set_to_none=False)
+    ((wrapped(x) - y) ** 2).sum().backward()
+    expected = _grads(_mlp(6), *(torch.cat(t) for t in zip(*(_batch(2, 60 + r) for r in range(comm.size)))))
+    _assert_grads(wrapped, expected)
+    del wrapped
+    averaged = DataParallel(_mlp(6), P_world)
+    for _ in range(2):  # accumulates: mean(A + g_r) = A + mean(g_r)
+        ((averaged(x) - y) ** 2).sum().backward()
+    _assert_grads(averaged, [2 * g / comm.size for g in expected])
+
+
+@sizes(1, 2)
+def test_deep_copy_names_the_way(P_world, comm):
+    import copy
+    wrapped = DataParallel(_mlp(0), P_world)
+    with pytest.raises(TypeError, match=r"DataParallel: expected no deep copy of the wrapper .* "
+                                        r"DataParallel\(copy.deepcopy\(wrapper.module\), P\)"):
+        copy.deepcopy(wrapped)
+    assert isinstance(copy.deepcopy(wrapped.module), torch.nn.Sequential)

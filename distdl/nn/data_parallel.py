@@ -39,7 +39,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.functional._common import check_partition
+from distdl.functional._common import check_flags, check_partition
 from distdl.partition import MPIPartition
 
 __all__ = ["all_reduce_gradients", "DataParallel"]
@@ -115,11 +115,15 @@ class DataParallel(torch.nn.Module):
     """Wrap ``module`` so that backward reduces its gradients over ``P``, overlapped with backward.
 
     At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of
-    ``P``. During backward, as soon as every parameter of a bucket has its gradient, a
+    ``P``, and so are the buffers at every forward with grad mode on (``broadcast_buffers``, as torch's DDP: the
+    replicas' batch-norm statistics stay rank 0's). Such a forward is collective over ``P``: it also plans the
+    buckets again where the parameters that take gradients changed since (frozen or unfrozen, converted with
+    ``.double()``, replaced by ``load_state_dict(assign=True)``), on every member alike. During backward, as soon as every parameter of a bucket has its gradient, a
     non-blocking sum of the bucket starts (buckets start in a fixed order, the same on every
     member); all of them complete when backward ends, before anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
-    and call backward once per step, or accumulate in :meth:`no_sync`. Every member of ``P``
+    and call backward once per step, or accumulate in :meth:`no_sync`; with ``op="sum"``, a backward that
+    accumulates onto the last reduced gradients raises RuntimeError (it would sum them again). Every member of ``P``
     must run backward through the module. For parameters on a GPU the hooks run in autograd's
     thread for the device: ``MPI_THREAD_SERIALIZED`` suffices with CUDA-aware MPI and one device
     per rank; staging through the host or several devices per rank need ``MPI_THREAD_MULTIPLE``
@@ -135,13 +139,16 @@ class DataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, P: MPIPartition, bucket_cap_mb: float = 25,
-                 op: str = "avg") -> None:
+                 op: str = "avg", broadcast_buffers: bool = True) -> None:
         super().__init__()
         params = _validate("DataParallel", module, P, op, bucket_cap_mb)
+        (self.broadcast_buffers,) = check_flags("DataParallel", broadcast_buffers=broadcast_buffers)
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
         self._divisor = P.size if op == "avg" else 1
         self._buckets = _plan("DataParallel", params, bucket_cap_mb)
+        self._layout = _layout(params)
         self._sync, self._in_flight, self._task = True, False, -1
+        self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
         if not P.active or P.size == 1:
             return
         taken = [tuple(p.shape) for p in params if _REDUCING.get(id(p)) is not None]
@@ -154,18 +161,50 @@ class DataParallel(torch.nn.Module):
         _check_agreement("DataParallel", P, _signature(self._buckets, states))
         for t in states:
             transport.bcast_in_place(P.comm, t)
-        # The hooks hold the wrapper weakly and go with it: a dropped wrapper neither lingers nor reduces.
+        self._changed = np.zeros(1, dtype=np.int64)
+        self._hooks: list = []
+        weakref.finalize(self, _remove, self._hooks)  # the hooks go with the wrapper: a dropped one does not reduce
+        self._hook(params)
+
+    def _hook(self, params: list) -> None:
+        """Hook the parameters of the buckets; the hooks hold the wrapper weakly."""
         me = weakref.ref(self)
-        hooks = [p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, me, index))
-                 for index, bucket in enumerate(self._buckets) for p in bucket.params]
-        weakref.finalize(self, _remove, hooks)
+        self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, me, index))
+                        for index, bucket in enumerate(self._buckets) for p in bucket.params]
         for p in params:
             _REDUCING[id(p)] = self
 
     def forward(self, *args, **kwargs):
         if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
             self._abandon()
+        if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            self._changed[0] = _layout(params) != self._layout
+            self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
+            if self._changed[0]:
+                self._replan(params)
+            if self.broadcast_buffers:
+                for t in self.module.buffers():
+                    transport.bcast_in_place(self.P.comm, t)
         return self.module(*args, **kwargs)
+
+    def _replan(self, params: list) -> None:
+        """Plan the buckets of ``params`` again and move the hooks to them (every member does)."""
+        _remove(self._hooks)
+        self._hooks.clear()
+        for bucket in self._buckets:
+            for p in bucket.params:
+                if _REDUCING.get(id(p)) is self:
+                    del _REDUCING[id(p)]
+        self._buckets = _plan("DataParallel", params, self.bucket_cap_mb)
+        self._layout, self._written = _layout(params), {}
+        _check_agreement("DataParallel", self.P, _signature(self._buckets, []))
+        self._hook(params)
+
+    def __deepcopy__(self, memo):
+        raise TypeError("DataParallel: expected no deep copy of the wrapper (it holds a communicator and hooks on "
+                        "its module's parameters); copy the module and wrap the copy: "
+                        "DataParallel(copy.deepcopy(wrapper.module), P)")
 
     def _abandon(self) -> None:
         """Complete the reductions that a backward which raised left in flight, so that the members' collectives
@@ -199,11 +238,19 @@ class DataParallel(torch.nn.Module):
         self._next = len(self._buckets)
         _complete(self._buckets)
         self._in_flight = False
+        if self.op == "sum":  # to catch a backward that accumulates onto these sums (it would sum them again)
+            self._written = {id(p): (weakref.ref(p.grad), p.grad._version)
+                             for b in self._buckets for p in b.params if p.grad is not None}
 
     def _gradient_ready(self, p: torch.Tensor, index: int) -> None:
         if not self._sync:
             return
         _check_dense("DataParallel", p)
+        written = self._written.pop(id(p), None)
+        if written is not None and written[0]() is p.grad and p.grad._version == written[1] + 1:
+            raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
+                               "backward that accumulated onto the last reduced gradient (it would be summed "
+                               "again: P.size times too large); zero them, or accumulate in no_sync()")
         if not self._in_flight:
             task = torch._C._current_graph_task_id()  # graph tasks are numbered as they begin
             if task < self._task:  # the last round ended with a backward nested in this one
@@ -236,6 +283,11 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
     found = wrapper()
     if found is not None:
         found._gradient_ready(p, index)
+
+
+def _layout(params: list) -> tuple:
+    """Return what the buckets of ``params`` depend on: which parameters, of which dtypes, on which devices."""
+    return tuple((id(p), p.dtype, p.device, _grad_dtype(p)) for p in params)
 
 
 def _remove(hooks: list) -> None:
