@@ -237,3 +237,19 @@ def test_environment_switch(tmp_path, monkeypatch):
     result = subprocess.run([sys.executable, "-c", "import distdl; print(distdl.check_mode())"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "True", result.stderr
+
+
+@sizes(2, 3)
+def test_a_state_dict_load_on_rank_0_alone_is_named(P_world, comm):
+    """load_state_dict of a collect_state layer on rank 0 alone returned (its sends are eager), and the next load
+    on every worker paired with its messages: the others loaded the first dict's blocks, silently."""
+    from distdl.nn import DistributedLinearAllGather
+    P = P_world.create_cartesian_topology_partition((1, comm.size))
+    layer = DistributedLinearAllGather(P, 4, 3 * comm.size, collect_state=True)
+    state = {k: torch.rand(v.shape) for k, v in layer.state_dict().items()}  # every worker: it is collective
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        if comm.rank == 0:
+            layer.load_state_dict(state)
+        layer.state_dict()
+    groups = {"load_state_dict": [0], "state_dict": list(range(1, comm.size))}
+    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)

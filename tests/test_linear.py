@@ -160,3 +160,18 @@ def test_input_dtype_checked_before_the_broadcast(P_world, comm):
             layer(torch.ones(2, 4))
     y = layer(torch.ones(2, 4, dtype=torch.float64) if P_x.active else torch.zeros(0, dtype=torch.float64))
     assert y.shape == ((2, 3) if P_x.active else (0,))
+
+
+@sizes(2, 3)
+def test_bias_errors_on_every_member(P_world, comm):
+    """A checkpoint on rank 0 without a bias, or with one of the wrong shape, is reported on the workers that hold no
+    block of the bias too (columns of P_w other than 0 loaded without a word, out of step with the others)."""
+    P_w = P_world.create_cartesian_topology_partition((1, comm.size))
+    P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    layer = DistributedLinear(P_w, P_y, P_w, 6, 4, collect_state=True).double()
+    weight = random_tensor((4, 6), seed=1)
+    with pytest.raises(RuntimeError, match='Missing key.*"bias"'):
+        layer.load_state_dict({"weight": weight} if comm.rank == 0 else {})
+    with pytest.raises(RuntimeError, match="size mismatch for bias"):
+        layer.load_state_dict({"weight": weight, "bias": torch.zeros(5)} if comm.rank == 0 else {})
+    assert layer.load_state_dict({"weight": weight} if comm.rank == 0 else {}, strict=False).missing_keys == ["bias"]

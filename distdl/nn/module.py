@@ -9,7 +9,12 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
   their global shapes and sends each worker its block; the other workers may pass the same
   dict or one without these keys (no missing-key error). Workers outside the partition keep
   their (unused) values. Strict loading still reports missing and unexpected keys, and a
-  wrong global shape is reported on every member.
+  wrong global shape is reported on every member (workers outside the partition report nothing
+  about this layer's keys).
+- Both are collective over the partition: call ``state_dict()`` on every worker, then save on
+  rank 0 (``state = model.state_dict()`` everywhere, then ``if rank == 0: torch.save(state, path)``);
+  ``state_dict()`` on rank 0 alone waits for the others forever, and ``load_state_dict`` on rank 0
+  alone pairs with the others' next call (check mode, ``DISTDL_CHECK=1``, names that mismatch).
 
 How a tensor is laid out is a :class:`StateLayout`: by default every parameter and persistent
 buffer is replicated on every worker; a layer with split tensors returns a layout per name
@@ -24,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from distdl.checks import verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_subshape
 
@@ -95,6 +101,7 @@ class CollectStateMixin:
         if not self.collect_state:
             return
         P, tensors = self._state_partition(), self._state_tensors()
+        verify("state_dict", P, agree={"prefix": prefix})  # check mode: a member that skipped the call is named
         split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
         pieces = None
         if P.active and split:
@@ -111,7 +118,7 @@ class CollectStateMixin:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         if self.collect_state:
-            self._distribute_state(state_dict, prefix, error_msgs)
+            self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
         found = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -119,13 +126,15 @@ class CollectStateMixin:
         if P is not None and P.active and P.size > 1:  # rank 0's dict decides here too: every member raises alike
             unexpected_keys[found:] = P.comm.bcast(unexpected_keys[found:] if P.rank == 0 else None, root=0)
 
-    def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str]) -> None:
+    def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str],
+                          missing_keys: list[str] | None = None) -> None:
         """Replace this layer's entries of ``state_dict`` by this worker's blocks of rank 0's values."""
         P, tensors = self._state_partition(), self._state_tensors()
         if not P.active:
             for name, (t, _) in tensors.items():
                 state_dict[prefix + name] = t.detach()
             return
+        verify("load_state_dict", P, agree={"prefix": prefix})  # check mode: rank 0 alone would return (eager sends)
         replicated = {name for name, (_, layout) in tensors.items() if layout.replicated}
         checked = summary = None
         if P.rank == 0:  # rank 0 decides for everyone: ("ok", value), ("missing", None) or ("error", message)
@@ -149,6 +158,13 @@ class CollectStateMixin:
                 error_msgs.append(value)
             elif P.rank != 0 or name not in replicated:
                 state_dict[prefix + name] = value
+        # Rank 0's tensors that this worker holds no block of (a bias held by column 0 of P_w): their errors and
+        # missing keys are every member's too.
+        for name, (kind, value) in status.items():
+            if name not in tensors and kind == "error":
+                error_msgs.append(value)
+            elif name not in tensors and kind == "missing" and missing_keys is not None:
+                missing_keys.append(prefix + name)
 
 
 def _check_entry(state_dict: dict, key: str, layout: StateLayout) -> tuple[str, object]:
