@@ -75,6 +75,26 @@ def test_elementwise_losses_match_torch(P_world, comm):
 
 
 @sizes(1, 2, 3, 4)
+def test_binary_cross_entropy_weights_match_torch(P_world, comm):
+    """weight and pos_weight are global tensors broadcastable to the input (target): each worker applies its block."""
+    for P_shape, shape in CASES[comm.size]:
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        full, last = random_tensor(shape, seed=7).abs() + 0.5, random_tensor(shape[-1:], seed=8).abs() + 0.5
+        broadcast = full[(0,) * (len(shape) - 1)].reshape((1,) * (len(shape) - 1) + shape[-1:])
+        for name, kwargs in (("BCELoss", {"weight": full}), ("BCELoss", {"weight": broadcast}),
+                             ("BCEWithLogitsLoss", {"weight": last, "pos_weight": last}),
+                             ("BCEWithLogitsLoss", {"pos_weight": full})):
+            for reduction in ("mean", "sum", "none"):
+                distributed = getattr(losses, "Distributed" + name)(P_x, reduction=reduction, **kwargs)
+                sequential = getattr(torch.nn, name)(reduction=reduction, **kwargs)
+                _check(P_x, distributed, sequential, *_inputs(name, shape, seed=3), comm)
+    with pytest.raises(TypeError, match="DistributedBCELoss: expected a torch.Tensor or None for weight, got str"):
+        losses.DistributedBCELoss(P_x, "sum")
+    with pytest.raises(ValueError, match=r"DistributedBCEWithLogitsLoss: expected a pos_weight of at most"):
+        losses.DistributedBCEWithLogitsLoss(P_x, pos_weight=torch.ones((1,) * (P_x.dim + 1)))
+
+
+@sizes(1, 2, 3, 4)
 def test_cross_entropy_matches_torch(P_world, comm):
     n = comm.size
     P_x = P_world.create_cartesian_topology_partition((n, 1) if n < 4 else (2, 1, 2))

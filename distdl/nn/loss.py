@@ -11,6 +11,7 @@ worker                        does
 ============================  ========================================================================
 in P_x                        contributes its local sums; gets the global loss (0-dim)
 outside P_x                   passes zero-volume input and target; gets a 0-dim zero it can backward()
+                              (``none``: a zero-volume tensor)
 ============================  ========================================================================
 """
 
@@ -23,6 +24,7 @@ from distdl.functional._common import check_idle_input, check_partition, check_t
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
 from distdl.partition import MPIPartition
+from distdl.utilities.slicing import compute_start_index, compute_stop_index
 
 __all__ = ["DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss", "DistributedBCEWithLogitsLoss",
            "DistributedKLDivLoss", "DistributedPoissonNLLLoss", "DistributedCrossEntropyLoss"]
@@ -98,18 +100,55 @@ class DistributedL1Loss(_DistributedLoss):
         return F.l1_loss(input, target, reduction="none")
 
 
-class DistributedBCELoss(_DistributedLoss):
-    """Binary cross entropy of partitioned probabilities and targets (no per-element ``weight``)."""
+class _Weighted(_DistributedLoss):
+    """A loss with torch's optional ``weight``/``pos_weight``: GLOBAL tensors broadcastable to the global input (to
+    the target for ``pos_weight``), as torch's; each worker applies its block of them."""
+
+    def __init__(self, P_x: MPIPartition, reduction: str = "mean", **weights: torch.Tensor | None) -> None:
+        super().__init__(P_x, reduction)
+        for key, weight in weights.items():
+            if weight is not None:
+                if not isinstance(weight, torch.Tensor):
+                    raise TypeError(f"{type(self).__name__}: expected a torch.Tensor or None for {key}, got "
+                                    f"{type(weight).__name__}")
+                if weight.dim() > P_x.dim:
+                    raise ValueError(f"{type(self).__name__}: expected a {key} of at most {P_x.dim} dimensions (it "
+                                     f"broadcasts to the input), got shape {tuple(weight.shape)}")
+            self.register_buffer(key, weight)
+
+    def _block(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        """Return this worker's block of a global ``weight`` broadcastable to the global input."""
+        if weight is None:
+            return None
+        shape, index, offset = self.P_x.shape, self.P_x.index, self.P_x.dim - weight.dim()
+        block = []
+        for d, n in enumerate(weight.shape):  # extent n > 1: the global extent of input dimension d + offset
+            p, i = shape[d + offset], index[d + offset]
+            block.append(slice(None) if n == 1 or p == 1 else slice(compute_start_index([p], [i], [n])[0],
+                                                                   compute_stop_index([p], [i], [n])[0]))
+        return weight[tuple(block)]
+
+
+class DistributedBCELoss(_Weighted):
+    """Binary cross entropy of partitioned probabilities and targets; ``weight`` is global (see ``_Weighted``)."""
+
+    def __init__(self, P_x: MPIPartition, weight: torch.Tensor | None = None, reduction: str = "mean") -> None:
+        super().__init__(P_x, reduction, weight=weight)
 
     def _elementwise(self, input, target):
-        return F.binary_cross_entropy(input, target, reduction="none")
+        return F.binary_cross_entropy(input, target, weight=self._block(self.weight), reduction="none")
 
 
-class DistributedBCEWithLogitsLoss(_DistributedLoss):
-    """Binary cross entropy of partitioned logits and targets (no ``weight``/``pos_weight``)."""
+class DistributedBCEWithLogitsLoss(_Weighted):
+    """Binary cross entropy of partitioned logits and targets; ``weight`` and ``pos_weight`` are global."""
+
+    def __init__(self, P_x: MPIPartition, weight: torch.Tensor | None = None, reduction: str = "mean",
+                 pos_weight: torch.Tensor | None = None) -> None:
+        super().__init__(P_x, reduction, weight=weight, pos_weight=pos_weight)
 
     def _elementwise(self, input, target):
-        return F.binary_cross_entropy_with_logits(input, target, reduction="none")
+        return F.binary_cross_entropy_with_logits(input, target, weight=self._block(self.weight),
+                                                  pos_weight=self._block(self.pos_weight), reduction="none")
 
 
 class DistributedKLDivLoss(_DistributedLoss):
