@@ -129,6 +129,18 @@ def test_forward_mode_ad_is_refused(P_world, comm):
                     op(dual)
 
 
+@sizes(2)
+def test_torch_func_transforms_are_refused(P_world, comm):
+    """Under vmap, grad or vjp a primitive gets wrappers without memory: every primitive names the transform instead
+    of torch's internal errors."""
+    for name, op in _primitives(P_world, comm.size).items():
+        x = random_tensor((2 * comm.size, 3), seed=comm.rank)
+        for transform in (lambda: torch.func.vmap(op)(x.unsqueeze(0)), lambda: torch.func.grad(
+                lambda t: op(t).sum())(x), lambda: torch.func.vjp(op, x)):
+            with pytest.raises(NotImplementedError, match=rf"{name}: torch.func transforms \(vmap, grad"):
+                transform()
+
+
 @sizes(3)
 def test_workers_outside_a_layer_run_backward(P_world, comm):
     """A layer with parameters on workers 0 and 1, fed data that needs no gradient (a first layer): worker 2, outside

@@ -150,7 +150,7 @@ def host_staged(function):
     """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it.
 
     Every primitive's entry: it also refuses forward-mode AD's dual tensors, whose tangent the primitive would
-    drop (a zero derivative, silently), and runs eagerly under torch.compile.
+    drop (a zero derivative, silently), and torch.func's transforms, and runs eagerly under torch.compile.
     """
     name = next(iter(inspect.signature(function).parameters))  # the tensor's, also when passed by keyword
 
@@ -162,6 +162,9 @@ def host_staged(function):
                 is not None:
             raise NotImplementedError(f"{function.__name__}: forward-mode AD (torch.autograd.forward_ad) is not "
                                       "supported; torch.autograd.functional.jvp works (through reverse mode)")
+        if torch._C._functorch.maybe_current_level() is not None:  # its tensors are wrappers without memory
+            raise NotImplementedError(f"{function.__name__}: torch.func transforms (vmap, grad, vjp, jacrev...) are "
+                                      "not supported; use torch.autograd (backward, torch.autograd.grad)")
         if not isinstance(x, torch.Tensor) or not needs_staging(x):
             return function(*args, **kwargs)
         # The primitive never returns an alias of its input, so the pool is free again on return.
