@@ -200,6 +200,14 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             self.running_var.fill_(1)
             self.num_batches_tracked.zero_()
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Reset the running statistics, the weight to ones and the bias to zeros, as torch does."""
+        self.reset_running_stats()
+        if self.affine:
+            self.weight.fill_(1)
+            self.bias.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the normalised block of ``x``; zero-volume outside ``P_x``."""
         name = type(self).__name__

@@ -21,7 +21,7 @@ import numbers
 import torch
 
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor
-from distdl.nn.linear import check_features, global_block, shared_seed
+from distdl.nn.linear import SeededInit, check_features
 from distdl.nn.linear_all_gather import block_extents, build_fibres, replicated
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
@@ -33,7 +33,7 @@ def _normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, dtype=torch.float64, generator=generator)
 
 
-class DistributedEmbedding(CollectStateMixin, torch.nn.Module):
+class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
     """Look indices up in an embedding table whose embedding dimension is split over ``P_x``'s last axis.
 
     Args:
@@ -72,11 +72,18 @@ class DistributedEmbedding(CollectStateMixin, torch.nn.Module):
         build_fibres(P_x, self.axes_replicated)  # the communicator is built here, once
         lo, hi = block_extents(self.embedding_dim, P_x.shape[-1])[P_x.index[-1]] if P_x.active else (0, 0)
         rows = self.num_embeddings if P_x.active else 0
-        table = global_block((self.num_embeddings, self.embedding_dim), (0, lo), (rows, hi - lo), _normal,
-                             shared_seed(P_x), dtype=dtype, device=device)
-        if padding_idx is not None and rows:
-            table[padding_idx] = 0
-        self.weight = torch.nn.Parameter(table)
+        self._init_partition = P_x
+        shape = (self.num_embeddings, self.embedding_dim)
+        self._init_blocks = {"weight": (shape, (0, lo), (rows, hi - lo), _normal, 0)}
+        self.weight = torch.nn.Parameter(torch.empty(rows, hi - lo, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw the table again, as at construction (collective over ``P_x``); the padding row is zero."""
+        super().reset_parameters()
+        if self.padding_idx is not None and self.weight.shape[0]:
+            self.weight[self.padding_idx] = 0
 
     def _state_layouts(self) -> dict[str, StateLayout]:
         return {"weight": StateLayout((self.num_embeddings, self.embedding_dim), (None, self.P_x.dim - 1))}

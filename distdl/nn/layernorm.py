@@ -72,6 +72,14 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         self.register_parameter("bias", torch.nn.Parameter(torch.zeros(self.local_shape, **factory))
                                 if elementwise_affine and bias else None)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Reset the weight to ones and the bias to zeros, as torch does."""
+        if self.weight is not None:
+            self.weight.fill_(1)
+        if self.bias is not None:
+            self.bias.zero_()
+
     def _local_shape(self) -> tuple[int, ...]:
         if not self.P_x.active:
             return (0,) * len(self.normalized_shape)

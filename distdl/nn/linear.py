@@ -89,7 +89,27 @@ def uniform(bound: float) -> Callable[[tuple[int, ...], torch.Generator], torch.
                                                                                        generator=generator)
 
 
-class DistributedLinear(CollectStateMixin, torch.nn.Module):
+class SeededInit:
+    """``reset_parameters()`` for a layer whose parameters are blocks of global tensors drawn from one seed shared
+    over ``_init_partition`` (so they fit together, and equal the sequential layer's drawn from that seed).
+
+    ``_init_blocks`` maps a parameter's name to ``(global shape, block start, block size, sampler, seed offset)``.
+    """
+
+    _init_blocks: dict[str, tuple]
+    _init_partition: MPIPartition
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw the parameters again, as at construction (collective over the layer's partition: a shared seed)."""
+        seed = shared_seed(self._init_partition)
+        for name, (shape, start, size, sample, offset) in self._init_blocks.items():
+            p = getattr(self, name)
+            if p is not None:
+                p.copy_(global_block(shape, start, size, sample, seed + offset, p.dtype, p.device))
+
+
+class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
     """Apply ``y = x W^T + b``: ``x`` on ``P_x`` (1, P_in), ``W`` on ``P_w`` (P_out, P_in), ``y`` on ``P_y`` (1, P_out).
 
     Args:
@@ -123,12 +143,15 @@ class DistributedLinear(CollectStateMixin, torch.nn.Module):
         start = compute_start_index(P_w.shape, P_w.index, shape) if P_w.active else (0, 0)
         size = compute_subshape(P_w.shape, P_w.index, shape) if P_w.active else (0, 0)
         self.holds_bias = self.use_bias and P_w.active and P_w.index[1] == 0
-        seed, bound = shared_seed(P_w), 1 / math.sqrt(in_features) if in_features else 0.0
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
+        self._init_partition = P_w
+        self._init_blocks = {"weight": (shape, start, size, uniform(bound), 0),
+                             "bias": ((self.out_features,), start[:1], size[:1], uniform(bound), 1)}
         factory = {"dtype": dtype, "device": device}
-        self.weight = torch.nn.Parameter(global_block(shape, start, size, uniform(bound), seed, **factory))
-        bias_block = global_block((self.out_features,), start[:1], size[:1] if self.holds_bias else (0,),
-                                  uniform(bound), seed + 1, **factory)
-        self.register_parameter("bias", torch.nn.Parameter(bias_block) if self.holds_bias else None)
+        self.weight = torch.nn.Parameter(torch.empty(tuple(int(n) for n in size), **factory))
+        self.register_parameter("bias", torch.nn.Parameter(torch.empty(int(size[0]), **factory))
+                                if self.holds_bias else None)
+        self.reset_parameters()
 
     def _state_layouts(self) -> dict[str, StateLayout]:
         return {"weight": StateLayout((self.out_features, self.in_features), (0, 1)),

@@ -36,7 +36,7 @@ from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.functional.reduce_scatter import reduce_scatter
-from distdl.nn.linear import check_features, global_block, shared_seed, uniform
+from distdl.nn.linear import SeededInit, check_features, uniform
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index
@@ -216,7 +216,7 @@ class _AllGatherLinear(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None, None
 
 
-class DistributedLinearAllGather(CollectStateMixin, torch.nn.Module):
+class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module):
     """Column-parallel linear layer: all-gather ``x`` along ``axis``, multiply by this worker's output block.
 
     Args:
@@ -255,14 +255,16 @@ class DistributedLinearAllGather(CollectStateMixin, torch.nn.Module):
         out_lo, out_hi = block_extents(self.out_features, parts)[m] if P_x.active else (0, 0)
         in_lo, in_hi = block_extents(self.in_features, parts)[m] if self.axis == P_x.dim - 1 else (0, self.in_features)
         self.local_in_features = in_hi - in_lo
-        seed, bound = shared_seed(P_x), 1 / math.sqrt(in_features) if in_features else 0.0
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
         shape, factory = (self.out_features, self.in_features), {"dtype": dtype, "device": device}
         width = self.in_features if P_x.active else 0
-        self.weight = torch.nn.Parameter(global_block(shape, (out_lo, 0), (out_hi - out_lo, width), uniform(bound),
-                                                      seed, **factory))
-        self.register_parameter("bias", torch.nn.Parameter(global_block(
-            (self.out_features,), (out_lo,), (out_hi - out_lo,), uniform(bound), seed + 1, **factory))
-            if self.use_bias else None)
+        self._init_partition = P_x
+        self._init_blocks = {"weight": (shape, (out_lo, 0), (out_hi - out_lo, width), uniform(bound), 0),
+                             "bias": ((self.out_features,), (out_lo,), (out_hi - out_lo,), uniform(bound), 1)}
+        self.weight = torch.nn.Parameter(torch.empty(out_hi - out_lo, width, **factory))
+        self.register_parameter("bias", torch.nn.Parameter(torch.empty(out_hi - out_lo, **factory))
+                                if self.use_bias else None)
+        self.reset_parameters()
 
     def _state_layouts(self) -> dict[str, StateLayout]:
         return {"weight": StateLayout((self.out_features, self.in_features), (self.axis, None)),

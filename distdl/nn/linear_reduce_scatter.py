@@ -36,7 +36,7 @@ from distdl.functional._common import (check_flags, check_idle_input, check_part
 from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.reduce_scatter import reduce_scatter
-from distdl.nn.linear import check_features, global_block, shared_seed, uniform
+from distdl.nn.linear import SeededInit, check_features, uniform
 from distdl.nn.linear_all_gather import (RING_TAG, _all_gather_linear, block_extents, build_fibres, check_axis,
                                          check_operands, replicated, rows, tensor_parallel_partition)
 from distdl.nn.module import CollectStateMixin, StateLayout
@@ -143,7 +143,7 @@ def partial_shape(x: torch.Tensor, weight: torch.Tensor, axis: int, extent: tupl
     return tuple(shape)
 
 
-class DistributedLinearReduceScatter(CollectStateMixin, torch.nn.Module):
+class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Module):
     """Row-parallel linear layer: multiply this worker's features by its input block, reduce-scatter along ``axis``.
 
     Args:
@@ -185,14 +185,16 @@ class DistributedLinearReduceScatter(CollectStateMixin, torch.nn.Module):
         in_lo, in_hi = block_extents(self.in_features, parts)[m] if P_x.active else (0, 0)
         out_lo, out_hi = block_extents(self.out_features, parts)[m] if self.axis == last else (0, self.out_features)
         self.local_in_features = in_hi - in_lo
-        seed, bound = shared_seed(P_x), 1 / math.sqrt(in_features) if in_features else 0.0
+        bound = 1 / math.sqrt(in_features) if in_features else 0.0
         shape, factory = (self.out_features, self.in_features), {"dtype": dtype, "device": device}
         height = self.out_features if P_x.active else 0
-        self.weight = torch.nn.Parameter(global_block(shape, (0, in_lo), (height, in_hi - in_lo), uniform(bound),
-                                                      seed, **factory))
         width = out_hi - out_lo if P_x.active else 0
-        self.register_parameter("bias", torch.nn.Parameter(global_block(
-            (self.out_features,), (out_lo,), (width,), uniform(bound), seed + 1, **factory)) if self.use_bias else None)
+        self._init_partition = P_x
+        self._init_blocks = {"weight": (shape, (0, in_lo), (height, in_hi - in_lo), uniform(bound), 0),
+                             "bias": ((self.out_features,), (out_lo,), (width,), uniform(bound), 1)}
+        self.weight = torch.nn.Parameter(torch.empty(height, in_hi - in_lo, **factory))
+        self.register_parameter("bias", torch.nn.Parameter(torch.empty(width, **factory)) if self.use_bias else None)
+        self.reset_parameters()
 
     def _state_layouts(self) -> dict[str, StateLayout]:
         last = self.P_x.dim - 1
