@@ -149,7 +149,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             raise ValueError(f"{name}: expected {channels} channels (dimension 1: this worker's block of "
                              f"{self.in_channels} over P_x of shape {self.P_x.shape}), got shape {tuple(x.shape)} "
                              f"{where}")
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

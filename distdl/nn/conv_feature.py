@@ -125,7 +125,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         _windows.check_input(name, x, self.P_x, self.in_channels)
         if not self.P_x.active:
             return in_graph(x).clone()  # backward runs here too
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
         key = ("conv", self.kernel_size, self.stride, self._pads, self.dilation, self.out_channels)
         plan, window = _windows.fetch(name, x, self.P_x, key, self.out_channels, self._length, self._source,

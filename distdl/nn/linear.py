@@ -176,7 +176,8 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
                 raise ValueError(f"{name}: expected a tensor of shape (batch, {local}) (this worker's block of "
                                  f"{self.in_features} features over P_x of shape {self.P_x.shape}), got shape "
                                  f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
-            if x.dtype != self.weight.dtype:  # else F.linear raises on the workers of P_w, after the broadcast
+            # else F.linear raises on the workers of P_w, after the broadcast (autocast casts both)
+            if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
                 raise TypeError(f"{name}: expected an input of the parameters' dtype {self.weight.dtype}, got "
                                 f"{x.dtype} on worker {self.P_x._root.rank}")
         x_w = broadcast(x, self.P_x, self.P_w, preserve_batch=False)

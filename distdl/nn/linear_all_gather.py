@@ -89,6 +89,15 @@ def check_operands(where: str, x: torch.Tensor, weight: torch.Tensor) -> None:
         raise TypeError(f"{where}: expected x and weight of one floating dtype, got {x.dtype} and {weight.dtype}")
 
 
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``x`` and ``weight`` in autocast's dtype where autocast is on for ``x``'s device (torch's Linear casts
+    them so), else as they are: the rings multiply, send and save blocks of one dtype."""
+    if x.is_floating_point() and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        return x.to(dtype), weight.to(dtype)
+    return x, weight
+
+
 def build_fibres(P: MPIPartition, *axes_lists: tuple[int, ...]) -> None:
     """Build the communicators of the fibres of more than one worker along each of ``axes_lists``, once."""
     for axes in axes_lists:
@@ -281,14 +290,14 @@ class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module)
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.local_in_features} "
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
                              f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
-        weight = replicated(self.weight, self.P_x, self.axes_replicated)
+        x, weight = autocast_operands(x, replicated(self.weight, self.P_x, self.axes_replicated))
         check_operands(name, x, weight)  # before the ring posts its messages
         if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = _all_gather_linear(name, x, weight, self.P_x, self.axis)[0]
         else:
             y = torch.nn.functional.linear(all_gather(x, self.P_x, axes_all_gather=(self.axis,)), weight)
         if self.bias is not None:
-            y = y + replicated(self.bias, self.P_x, self.axes_replicated)
+            y = y + replicated(self.bias, self.P_x, self.axes_replicated).to(y.dtype)  # autocast: y's dtype, as torch
         return y
 
     def extra_repr(self) -> str:

@@ -37,8 +37,8 @@ from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.reduce_scatter import reduce_scatter
 from distdl.nn.linear import SeededInit, check_features, uniform
-from distdl.nn.linear_all_gather import (RING_TAG, _all_gather_linear, block_extents, build_fibres, check_axis,
-                                         check_operands, replicated, rows, tensor_parallel_partition)
+from distdl.nn.linear_all_gather import (RING_TAG, _all_gather_linear, autocast_operands, block_extents, build_fibres,
+                                         check_axis, check_operands, replicated, rows, tensor_parallel_partition)
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
 from distdl.utilities.torch import eager_when_compiled
@@ -212,14 +212,14 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.local_in_features} "
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "
                              f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
-        weight = replicated(self.weight, self.P_x, self.axes_replicated)
+        x, weight = autocast_operands(x, replicated(self.weight, self.P_x, self.axes_replicated))
         check_operands(name, x, weight)
         if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = linear_reduce_scatter(x, weight, self.P_y, self.axis)
         else:
             y = reduce_scatter(torch.nn.functional.linear(x, weight), self.P_y, axes_reduce_scatter=(self.axis,))
         if self.bias is not None:
-            y = y + replicated(self.bias, self.P_x, self.axes_bias)
+            y = y + replicated(self.bias, self.P_x, self.axes_bias).to(y.dtype)  # autocast: y's dtype, as torch
         return y
 
     def extra_repr(self) -> str:

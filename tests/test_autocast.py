@@ -1,0 +1,55 @@
+"""Mixed precision: distdl's layers run under torch.autocast as torch's do (the activation in autocast's dtype, the
+parameters in float32), and their results approximate the same layers' without autocast."""
+
+import pytest
+import torch
+
+from distdl.nn import (DistributedBatchNorm, DistributedFeatureConv2d, DistributedLinear, DistributedLinearAllGather,
+                       DistributedLinearReduceScatter)
+from distdl.testing import random_tensor, scatter
+from distdl.utilities.torch import zero_volume_tensor
+from helpers import sizes
+
+
+def _compare(layers, x, dy):
+    """Run ``layers`` on ``x`` with and without autocast; return both outputs and the parameter gradients."""
+    results = []
+    for autocast in (False, True):
+        params = [p for layer in layers for p in layer.parameters()]
+        for p in params:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = x.clone().requires_grad_()
+            for layer in layers:
+                y = layer(y)
+        y.backward(dy.to(y.dtype))
+        results.append((y.detach(), [p.grad.clone() for p in params]))
+    return results
+
+
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_layers_under_autocast(P_world, comm, overlap):
+    P_s = P_world.create_cartesian_topology_partition([1, 1, 1, comm.size])
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    spatial = [DistributedFeatureConv2d(P_s, 2, 3, 3, padding=1), DistributedBatchNorm(P_s, 3),
+               DistributedFeatureConv2d(P_s, 3, 2, 3, padding=1)]
+    parallel = [DistributedLinearAllGather(P_f, 4, 6, overlap=overlap), torch.nn.Tanh(),
+                DistributedLinearReduceScatter(P_f, 6, 4, overlap=overlap)]
+    P_col = P_world.create_cartesian_topology_partition([comm.size, 1])
+    classic = [DistributedLinear(P_0, P_f, P_col, 4, 6), DistributedLinear(P_f, P_0, P_f, 6, 3)]
+    x_0 = random_tensor((3, 4), seed=3).float() if P_0.active else zero_volume_tensor(dtype=torch.float32)
+    y_0 = random_tensor((3, 3), seed=4).float() if P_0.active else zero_volume_tensor(dtype=torch.float32)
+    cases = [(spatial, scatter(random_tensor((2, 2, 5, 7), seed=1).float(), P_s),
+              scatter(random_tensor((2, 2, 5, 7), seed=2).float(), P_s)),
+             (parallel, scatter(random_tensor((3, 4), seed=5).float(), P_f),
+              scatter(random_tensor((3, 4), seed=6).float(), P_f)),
+             (classic, x_0, y_0)]
+    for layers, x, dy in cases:
+        (exact, exact_grads), (mixed, mixed_grads) = _compare(layers, x, dy)
+        assert mixed.dtype == (torch.bfloat16 if exact.numel() else mixed.dtype)  # as torch's Conv2d and Linear
+        scale = max(float(t.norm()) for t in [exact] + exact_grads)  # bfloat16 keeps 8 bits of each: errors of the
+        for a, b in zip([mixed.float()] + mixed_grads, [exact] + exact_grads):  # order of 1% of the whole
+            assert a.dtype == torch.float32  # parameters and their gradients stay in float32
+            assert (a - b).norm() <= 3e-2 * scale, (a, b)
