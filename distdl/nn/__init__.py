@@ -4,6 +4,7 @@ from distdl.nn.all_gather import AllGather
 from distdl.nn.all_sum_reduce import AllSumReduce
 from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.nn.broadcast import Broadcast
+from distdl.nn.clip import clip_grad_norm_
 from distdl.nn.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from distdl.nn.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d
 from distdl.nn.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
@@ -38,6 +39,6 @@ __all__ = [
     "DistributedKLDivLoss", "DistributedL1Loss", "DistributedLayerNorm", "DistributedLinear",
     "DistributedLinearAllGather", "DistributedLinearReduceScatter", "DistributedMaxPool1d", "DistributedMaxPool2d",
     "DistributedMaxPool3d", "DistributedMSELoss", "DistributedPoissonNLLLoss", "DistributedUpsample",
-    # data parallelism
-    "DataParallel", "all_reduce_gradients",
+    # data parallelism and training
+    "DataParallel", "all_reduce_gradients", "clip_grad_norm_",
 ]

@@ -1,0 +1,75 @@
+"""``clip_grad_norm_``: torch's gradient-norm clipping for a model whose parameters are partitioned.
+
+``torch.nn.utils.clip_grad_norm_`` on a worker sees that worker's blocks only: its norm is local, differs
+from worker to worker and is not the sequential model's, so each worker scales by its own factor and the
+replicated parameters (convolution kernels, normalisation parameters, data-parallel replicas) drift apart,
+silently. Here each block of a distdl layer's parameter is counted once, on the one worker that
+``state_dict()`` with ``collect_state`` would take it from (:meth:`~distdl.nn.module.StateLayout.holds`);
+a parameter of any other module is taken as replicated over ``P`` and counted on rank 0 of ``P``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from distdl.functional._common import check_partition
+from distdl.nn.module import CollectStateMixin, StateLayout
+from distdl.partition import MPIPartition
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Scale the gradients of ``module`` by ``min(1, max_norm / (norm + 1e-6))``, as torch's
+    ``clip_grad_norm_``, with ``norm`` that of the sequential model's gradient.
+
+    Collective over ``P``, the workers the model is laid out on (with data parallelism, one replica's: the
+    replicas' gradients are already equal). Every member gets the same norm and scales alike.
+
+    Args:
+        module: the model (distdl layers and ordinary torch modules; the latter replicated over ``P``).
+        max_norm: the largest norm allowed.
+        P: the partition of the model's workers.
+        norm_type: ``p`` of the p-norm, or ``math.inf``.
+    Returns:
+        The norm before clipping (0-dim, float64); 0 outside ``P``.
+    """
+    where = "clip_grad_norm_"
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{where}: expected a torch.nn.Module, got {type(module).__name__}")
+    check_partition(where, "P", P)
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"{where}: expected a positive norm_type (or math.inf), got {norm_type}")
+    if not P.active:
+        return torch.zeros((), dtype=torch.float64)
+    grads, owned, seen = [], [], set()
+    for m in module.modules():
+        layouts = m._state_layouts() if isinstance(m, CollectStateMixin) else None
+        for name, p in m.named_parameters(recurse=False):
+            if p.grad is None or id(p) in seen:  # a parameter shared by two modules counts once
+                continue
+            seen.add(id(p))
+            grads.append(p.grad)
+            if layouts is None:
+                mine = P.rank == 0
+            else:
+                P_m = m._state_partition()
+                mine = P_m.active and (layouts.get(name) or StateLayout(p.shape)).holds(P_m.index)
+            if mine:
+                owned.append(p.grad.detach().double().abs())
+    if norm_type == math.inf:
+        local = max((float(g.max()) for g in owned if g.numel()), default=0.0)
+        norm = float(P.allreduce_data(np.array([local]), op="max")[0])
+    else:
+        local = sum(float(g.pow(norm_type).sum()) for g in owned)
+        norm = float(P.allreduce_data(np.array([local]))[0]) ** (1 / norm_type)
+    coefficient = max_norm / (norm + 1e-6)
+    if coefficient < 1:
+        torch._foreach_mul_(grads, coefficient)
+    return torch.tensor(norm, dtype=torch.float64)

@@ -1,0 +1,55 @@
+"""clip_grad_norm_: the sequential model's gradient norm and clipping, for partitioned and replicated parameters."""
+
+import math
+
+import pytest
+import torch
+
+from distdl.nn import (DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather, DistributedMSELoss,
+                       clip_grad_norm_)
+from distdl.testing import random_tensor, scatter
+from helpers import sizes
+
+
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_matches_the_sequential_model(P_world, comm, norm_type):
+    """A spatial convolution and batch norm (replicated parameters), a tensor-parallel linear (row blocks) and a
+    plain torch linear on every worker: the norm is the sequential model's on every worker, and the clipped step
+    keeps the replicas equal and equals torch's (a local clip_grad_norm_ gave each worker its own norm)."""
+    P_s = P_world.create_cartesian_topology_partition([1, 1, comm.size])
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    torch.manual_seed(3)
+    model = torch.nn.ModuleList([DistributedFeatureConv1d(P_s, 2, 3, 3, padding=1, collect_state=True),
+                                 DistributedBatchNorm(P_s, 3, collect_state=True),
+                                 DistributedLinearAllGather(P_f, 4, 5, collect_state=True), torch.nn.Linear(4, 2)])
+    model.double()
+    sequential = torch.nn.ModuleList([torch.nn.Conv1d(2, 3, 3, padding=1), torch.nn.BatchNorm1d(3),
+                                      torch.nn.Linear(4, 5), torch.nn.Linear(4, 2)]).double()
+    sequential.load_state_dict(comm.bcast(model.state_dict(), root=0))  # rank 0's collected state, everywhere
+    x, t = random_tensor((2, 2, 7), seed=1), random_tensor((2, 3, 7), seed=2)
+    z, u = random_tensor((3, 4), seed=3), random_tensor((3, 5), seed=4)
+
+    def loss(layers, split):
+        conv, norm, linear, plain = layers
+        mse = DistributedMSELoss(P_s) if split else torch.nn.MSELoss()
+        mse_f = DistributedMSELoss(P_f) if split else torch.nn.MSELoss()
+        return (mse(norm(conv(scatter(x, P_s) if split else x)), scatter(t, P_s) if split else t)
+                + mse_f(linear(scatter(z, P_f) if split else z), scatter(u, P_f) if split else u)
+                + plain(z).square().mean())
+
+    loss(model, True).backward()
+    loss(sequential, False).backward()
+    norm = clip_grad_norm_(model, 0.1, P_world, norm_type)
+    expected = torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.1, norm_type)
+    torch.testing.assert_close(norm, expected.to(norm.dtype), rtol=1e-12, atol=0)
+    assert norm > 0.1  # clipped
+    for module in (model, sequential):
+        torch.optim.SGD(module.parameters(), lr=1.0).step()
+    state = model.state_dict()
+    if comm.rank == 0:  # the collected state of the distributed model
+        for key, value in sequential.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    replicated = torch.cat([p.detach().flatten() for p in (*model[0].parameters(), *model[1].parameters(),
+                                                           *model[3].parameters())])
+    assert all(torch.equal(replicated, r) for r in comm.allgather(replicated))  # replicas equal on every worker
