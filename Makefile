@@ -2,7 +2,8 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# Pinned: an unpinned torch pulls a multi-GB CUDA build. Override, e.g. TORCH_SPEC="torch==2.13.0+cu128".
+# Pinned to the version CI tests. PyPI's Linux torch is the CUDA build; for the CPU one, set
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu. Override the version with TORCH_SPEC="torch==<version>".
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
 # `make install EXTRAS=test,examples MPIEXEC=mpiexec` uses a system MPI instead of the mpich wheel (see README).

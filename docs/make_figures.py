@@ -220,7 +220,7 @@ def halo_exchange(out: Path) -> None:
 
 
 def window_exchange(out: Path) -> None:
-    n, P_shape, reach = 10, (3,), 3
+    n, P_shape, reach = 10, (3,), 4
     signal = owners(P_shape, (n,))
     padded = np.concatenate([np.ones((reach, 3)), signal, np.ones((reach, 3))])
     before, after = [], []
@@ -230,7 +230,7 @@ def window_exchange(out: Path) -> None:
         after.append(((rank, 0), f"window [{s.start - reach}, {s.stop + reach}) (white: past the edge)",
                       padded[s.start:s.stop + 2 * reach][None], None))
     figure(out / "window_exchange.png", [("blocks of a length-10 signal", before),
-                                         ("window_exchange: windows 3 wider each side", after)])
+                                         ("window_exchange: windows 4 wider each side", after)])
 
 
 def main(out: Path) -> None:

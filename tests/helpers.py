@@ -1,5 +1,10 @@
 """Shared test helpers."""
 
+import os
+import shutil
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +12,10 @@ import distdl.backends.mpi as transport
 import distdl.functional._messages as messages
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
+# The MPI launcher for tests that start jobs: $MPIEXEC, a path or a command name looked up on PATH (`make test
+# MPIEXEC=mpiexec` exports a bare name, as the Makefile's recipes use it), else the one beside this Python.
+_LAUNCHER = os.environ.get("MPIEXEC")
+MPIEXEC = Path(shutil.which(_LAUNCHER) or _LAUNCHER) if _LAUNCHER else Path(sys.executable).parent / "mpiexec"
 
 
 def sizes(*ns):

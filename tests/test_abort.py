@@ -16,10 +16,10 @@ from mpi4py import MPI
 
 import distdl
 from distdl import abort
+from helpers import MPIEXEC
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "raise_on_one_rank.py"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
                                 reason="launches subprocesses; runs in the serial pass, not under mpiexec")

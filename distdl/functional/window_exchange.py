@@ -45,7 +45,10 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
 
     Args:
         x: this worker's balanced block of a global tensor of ``x_global_shape`` over ``P_x``.
-        windows: every worker's window, in ``P_x`` rank order (the same on every worker).
+        P_x: the partition the global tensor is decomposed over.
+        x_global_shape: the global tensor's shape.
+        windows: every worker's window, in ``P_x`` rank order (the same on every worker): per dimension a
+            ``(start, stop)`` range of global indices, which may reach past the tensor's edges.
     Raises:
         ValueError: wrong dimensionality, a block that does not match ``x_global_shape``,
             windows of the wrong count or dimension, or data outside ``P_x``.
@@ -58,7 +61,13 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
 @host_staged
 def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
                        windows: Windows) -> torch.Tensor:
-    """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor."""
+    """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor (the
+    adjoint of :func:`window_exchange`; the parts of windows past the tensor's edges are dropped).
+
+    Args:
+        y: this worker's window, of the shape its entry of ``windows`` gives.
+        P_x, x_global_shape, windows: as for :func:`window_exchange`.
+    """
     _check("window_scatter_add", y, P_x, x_global_shape, windows, "window")
     verify("window_scatter_add", P_x, y, ("dtype", "device"))
     return _Window.apply(in_graph(y), P_x, tuple(x_global_shape), windows, False)
