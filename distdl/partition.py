@@ -61,7 +61,7 @@ def _as_int_tuple(values: Iterable[Any], what: str, where: str) -> tuple[int, ..
         array = np.asarray(list(values) if not np.isscalar(values) else [values])
     except TypeError as error:
         raise TypeError(f"{where}: expected a sequence of integers for {what}, got {values!r}") from error
-    if array.size and not np.issubdtype(array.dtype, np.integer) and not np.issubdtype(array.dtype, np.bool_):
+    if array.size and not np.issubdtype(array.dtype, np.integer):  # bools too: flags are not indices
         raise TypeError(f"{where}: expected integers for {what}, got {values!r}")
     return tuple(int(v) for v in array.ravel())
 
@@ -100,6 +100,7 @@ class MPIPartition:
         self._comm = comm
         self._cache: dict = {}
         self._finalizer = None
+        self._freed = False
         if owned and comm != MPI.COMM_NULL:
             global _live_communicators
             _live_communicators += 1
@@ -108,6 +109,7 @@ class MPIPartition:
 
     def _derive(self, members: tuple[int, ...] | None, shape: tuple[int, ...], tag: int = 0) -> MPIPartition:
         """Return the partition of ``members`` (root ranks) with ``shape``; collective over the members."""
+        self._check_live("MPIPartition")
         free_released()
         comm = MPI.COMM_NULL
         if members is not None and self._root.rank in members:
@@ -150,11 +152,14 @@ class MPIPartition:
     def _check_same_root(self, where: str, other: MPIPartition) -> None:
         if not isinstance(other, MPIPartition):
             raise TypeError(f"{where}: expected an MPIPartition, got {type(other).__name__}")
+        self._check_live(where)
+        other._check_live(where)
         if other._root is not self._root and MPI.Comm.Compare(other._root, self._root) != MPI.IDENT:
             raise ValueError(f"{where}: expected partitions derived from the same root partition")
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> MPIPartition:
         """Return the partition of the listed ranks of this partition, in the order given."""
+        self._check_live("create_partition_inclusive")
         ranks = self._check_ranks("create_partition_inclusive", ranks)
         if not ranks:
             raise ValueError("create_partition_inclusive: expected at least one rank, got none")
@@ -163,6 +168,7 @@ class MPIPartition:
 
     def create_partition_exclusive(self, ranks: Iterable[int]) -> MPIPartition:
         """Return the partition of all ranks of this partition except the listed ones."""
+        self._check_live("create_partition_exclusive")
         excluded = set(self._check_ranks("create_partition_exclusive", ranks))
         keep = [r for r in range(self.size) if r not in excluded]
         if not keep:
@@ -181,6 +187,7 @@ class MPIPartition:
 
     def create_cartesian_topology_partition(self, shape: Sequence[int]) -> MPIPartition:
         """Return the same workers arranged as a grid of ``shape`` (row-major rank order)."""
+        self._check_live("create_cartesian_topology_partition")
         shape = _as_int_tuple(shape, "shape", "create_cartesian_topology_partition")
         if not shape or any(s < 1 for s in shape) or int(np.prod(shape)) != self.size:
             raise ValueError(f"create_cartesian_topology_partition: expected a shape of positive extents "
@@ -189,6 +196,7 @@ class MPIPartition:
 
     def create_subpartition(self, axes: Iterable[int]) -> MPIPartition:
         """Return the sub-grid keeping ``axes``: the workers sharing this worker's other coordinates."""
+        self._check_live("create_subpartition")
         axes = self._check_axes("create_subpartition", axes)
         shape = tuple(self.shape[a] for a in axes)
         if not self.active:
@@ -381,6 +389,13 @@ class MPIPartition:
             self._finalizer()
             free_released()
         self._comm = MPI.COMM_NULL
+        self._freed = True
+
+    def _check_live(self, where: str) -> None:
+        """Raise ValueError if this partition was freed (its members would pass for inactive workers)."""
+        if self._freed:
+            raise ValueError(f"{where}: the partition of shape {self.shape} was freed (free(), or the end of its "
+                             "`with` block) and cannot be used; build a new one")
 
     def __enter__(self) -> MPIPartition:
         return self

@@ -348,3 +348,31 @@ def test_equality(P_world, comm):
     assert a != P_world.create_cartesian_topology_partition([n // 2, 1, 2])
     assert a != P_world.create_partition_inclusive(range(n))
     assert P_world.create_partition_inclusive([0, 1]) != P_world.create_partition_inclusive([1, 0])
+
+
+@sizes(2)
+def test_boolean_flags_are_not_axes_or_ranks(P_world, comm):
+    """[False, True] is the remain_dims form of create_cartesian_subtopology_partition, not axes 0 and 1."""
+    P = P_world.create_cartesian_topology_partition([1, 2])
+    with pytest.raises(TypeError, match=r"create_subpartition: expected integers for axes, got \[False, True\]"):
+        P.create_subpartition([False, True])
+    with pytest.raises(TypeError, match="create_partition_inclusive: expected integers for ranks"):
+        P_world.create_partition_inclusive(np.array([True, False]))
+    assert P.create_cartesian_subtopology_partition([False, True]).shape == (2,)
+
+
+@sizes(2)
+def test_a_freed_partition_cannot_be_used(P_world, comm):
+    """After free() (or its `with` block) a partition raises on every worker instead of passing its members off as
+    inactive: repartition onto a live partition deadlocked building their union."""
+    import torch
+    from distdl.functional import all_sum_reduce, broadcast, repartition
+    P_y = P_world.create_partition_inclusive([1]).create_cartesian_topology_partition([1])
+    with P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1]) as P_x:
+        pass
+    for call in (lambda: repartition(torch.zeros(0), P_x, P_y), lambda: repartition(torch.zeros(0), P_y, P_x),
+                 lambda: broadcast(torch.zeros(0), P_x, P_y), lambda: all_sum_reduce(torch.zeros(0), P_x, [0]),
+                 lambda: P_x.create_partition_inclusive([0]), lambda: P_x.create_subpartition([0]),
+                 lambda: P_y.create_partition_union(P_x)):
+        with pytest.raises(ValueError, match=r"the partition of shape \(1,\) was freed"):
+            call()

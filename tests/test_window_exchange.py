@@ -70,3 +70,21 @@ def test_inactive_and_errors(P_world, comm):
             window_exchange(torch.ones(3), P_x, shape, windows)
         with pytest.raises(ValueError, match="window_exchange: expected 2 windows of 1 dimensions, got 1"):
             window_exchange(x, P_x, shape, windows[:1])
+
+
+@sizes(2)
+def test_windows_are_checked_and_normalized(P_world, comm):
+    """Windows as lists work; floats, bools and reversed boxes raise on every worker and leave no plan behind."""
+    P_x = P_world.create_cartesian_topology_partition([2])
+    x = scatter(torch.arange(8.), P_x)
+    expected = window_exchange(x, P_x, (8,), (((0, 3),), ((3, 8),)))
+    assert torch.equal(window_exchange(x, P_x, [8], [[[0, 3]], [[3, 8]]]), expected)
+    with pytest.raises(TypeError, match=r"window_exchange: expected integers for windows\[0\]\[0\]"):
+        window_exchange(x, P_x, (8,), (((0.0, 3.0),), ((3.0, 8.0),)))  # equal to the int windows as a key
+    with pytest.raises(TypeError, match=r"window_exchange: expected integers for windows\[0\]\[0\]"):
+        window_exchange(x, P_x, (8,), (((False, True),), ((3, 8),)))
+    with pytest.raises(ValueError, match=r"window_exchange: expected windows\[1\] of \[start, stop\) pairs"):
+        window_exchange(x, P_x, (8,), (((0, 3),), ((5, 3),)))
+    with pytest.raises(ValueError, match=r"window_exchange: expected x_global_shape of 1 non-negative extents"):
+        window_exchange(x, P_x, (8, 1), (((0, 3),), ((3, 8),)))
+    assert torch.equal(window_exchange(x, P_x, torch.Size([8]), (((0, 3),), ((3, 8),))), expected)

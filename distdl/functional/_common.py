@@ -21,6 +21,8 @@ def check_tensor(where: str, x: object) -> None:
 def check_partition(where: str, name: str, P: object) -> None:
     if not isinstance(P, MPIPartition):
         raise TypeError(f"{where}: expected an MPIPartition for {name}, got {type(P).__name__}")
+    if P._freed:
+        P._check_live(f"{where} ({name})")
 
 
 def check_idle_input(where: str, P: MPIPartition, x: torch.Tensor, name: str = "P_x") -> None:

@@ -109,7 +109,7 @@ def groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src:
             plan = P_src._cached_with(P_dest, ("groups", transpose_src, transpose_dest))
         except AttributeError:  # not a partition: checked below
             plan = None
-        if plan is not None:
+        if plan is not None and not (P_src._freed or P_dest._freed):
             return plan
     transpose_src, transpose_dest, _ = check_flags(where, transpose_src=transpose_src,
                                                    transpose_dest=transpose_dest, preserve_batch=preserve_batch)

@@ -33,9 +33,9 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       decode_header, grad_like, header_of, in_graph, load_anchor, save_anchor,
-                                       zero_volume_like)
+from distdl.functional._common import (HEADER_LENGTH, check_dim, check_flags, check_idle_input, check_partition,
+                                       check_tensor, decode_header, grad_like, header_of, in_graph, load_anchor,
+                                       save_anchor, zero_volume_like)
 from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
                                          message_length, payloads)
 from distdl.checks import announce, check_mode, verify
@@ -124,8 +124,12 @@ class _Pair:
 def _pair(where: str, P_x: object, P_y: object, preserve_batch: object) -> _Pair:
     """Return the :class:`_Pair` of a call, checking the partitions where none is cached for them."""
     check_partition(where, "P_x", P_x)
-    key = ("repartition pair", bool(preserve_batch))
+    if type(preserve_batch) is not bool:  # as broadcast and sum_reduce: a bool (or numpy bool) only
+        (preserve_batch,) = check_flags(where, preserve_batch=preserve_batch)
+    key = ("repartition pair", preserve_batch)
     pair = P_x._cached_with(P_y, key)
+    if pair is not None and P_y._freed:
+        P_y._check_live(f"{where} (P_y)")
     if pair is None or (pair.P_union is not None and pair.P_union.comm is not pair.comm):  # or a union freed since
         check_pair(where, P_x, P_y)
         P_x._cache.pop((key, id(P_y)), None)
