@@ -118,9 +118,10 @@ class DataParallel(torch.nn.Module):
     ``P``, and so are the buffers at every forward with grad mode on (``broadcast_buffers``, as torch's DDP: the
     replicas' batch-norm statistics stay rank 0's). Such a forward is collective over ``P``: it also plans the
     buckets again where the parameters that take gradients changed since (frozen or unfrozen, converted with
-    ``.double()``, replaced by ``load_state_dict(assign=True)``), on every member alike. During backward, as soon as every parameter of a bucket has its gradient, a
-    non-blocking sum of the bucket starts (buckets start in a fixed order, the same on every
-    member); all of them complete when backward ends, before anyone can read ``.grad``.
+    ``.double()``, replaced by ``load_state_dict(assign=True)``), on every member alike. During backward, as
+    soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts (buckets start
+    in a fixed order, the same on every member); all of them complete when backward ends, before anyone can read
+    ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`; with ``op="sum"``, a backward that
     accumulates onto the last reduced gradients raises RuntimeError (it would sum them again). Every member of ``P``
