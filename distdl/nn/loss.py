@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
+from distdl.nn.module import StateLayout
 from distdl.partition import MPIPartition
-from distdl.utilities.slicing import compute_start_index, compute_stop_index
 
 __all__ = ["DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss", "DistributedBCEWithLogitsLoss",
            "DistributedKLDivLoss", "DistributedPoissonNLLLoss", "DistributedCrossEntropyLoss"]
@@ -120,13 +120,9 @@ class _Weighted(_DistributedLoss):
         """Return this worker's block of a global ``weight`` broadcastable to the global input."""
         if weight is None:
             return None
-        shape, index, offset = self.P_x.shape, self.P_x.index, self.P_x.dim - weight.dim()
-        block = []
-        for d, n in enumerate(weight.shape):  # extent n > 1: the global extent of input dimension d + offset
-            p, i = shape[d + offset], index[d + offset]
-            block.append(slice(None) if n == 1 or p == 1 else slice(compute_start_index([p], [i], [n])[0],
-                                                                   compute_stop_index([p], [i], [n])[0]))
-        return weight[tuple(block)]
+        offset = self.P_x.dim - weight.dim()  # an extent above 1: the global extent of input dimension d + offset
+        axes = [None if n == 1 else d + offset for d, n in enumerate(weight.shape)]
+        return StateLayout(weight.shape, axes).block(weight, self.P_x.shape, self.P_x.index)
 
 
 class DistributedBCELoss(_Weighted):
