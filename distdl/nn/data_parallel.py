@@ -101,7 +101,7 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
     fault per page touched). The plans live as long as ``module`` (and ``P``); the last two per module.
     """
     plans = P._memo(("gradient_plans",), weakref.WeakKeyDictionary).setdefault(module, {})
-    key = (bucket_cap_mb, *((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params))
+    key = (bucket_cap_mb, _layout(params))
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
     if found is None:
         buckets = _plan(where, params, bucket_cap_mb)
@@ -287,8 +287,8 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
 
 
 def _layout(params: list) -> tuple:
-    """Return what the buckets of ``params`` depend on: which parameters, of which dtypes, on which devices."""
-    return tuple((id(p), p.dtype, p.device, _grad_dtype(p)) for p in params)
+    """Return what the buckets of ``params`` depend on: which parameters, of which dtypes, shapes and devices."""
+    return tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params)
 
 
 def _remove(hooks: list) -> None:
