@@ -12,8 +12,6 @@ shuffling because each torch call costs ~1 us here and a NumPy one ~0.3 us.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -87,28 +85,29 @@ def sum_payloads(messages, rows: list[int] | None, dtype: torch.dtype, shape, ac
     """Return the sum over ``rows`` (None: all) of the payloads of ``messages`` (or of their ``index`` blocks), in
     ``accumulate``.
 
-    NumPy does it where it knows the dtype (each torch call costs ~1 us here, a NumPy one ~0.3 us).
+    NumPy does it where it knows the dtype (each torch call costs ~1 us here, a NumPy one ~0.3 us), on a view
+    of the messages as that dtype: every itemsize divides the header's and the row's bytes.
     """
-    kinds = _numpy_dtypes()
     if rows is None:  # a slice views the rows where a list would copy them
         rows = slice(None)
-    if dtype not in kinds or accumulate not in kinds:  # bfloat16
+    kind, total_kind = _NUMPY_DTYPES.get(dtype), _NUMPY_DTYPES.get(accumulate)
+    if kind is None or total_kind is None:  # bfloat16
         blocks = payloads(messages, dtype, shape)[(rows, *index)]
         return blocks.sum(0, dtype=accumulate)
     count = 1
     for n in shape:
         count *= n
-    data = messages.view(np.uint8)[rows, HEADER_BYTES:HEADER_BYTES + count * dtype.itemsize]
-    blocks = data.view(kinds[dtype]).reshape((data.shape[0], *shape))
-    total = blocks[(slice(None), *index)].sum(0, dtype=kinds[accumulate])  # a NumPy scalar for 0-d blocks
-    return torch.from_numpy(np.require(total, requirements="C"))  # keeps 0 dimensions, where ascontiguousarray gives 1
+    start = HEADER_BYTES // dtype.itemsize
+    blocks = messages.view(kind)[rows, start:start + count]
+    if index:
+        blocks = blocks.reshape((len(blocks), *shape))[(slice(None), *index)]
+        return torch.from_numpy(blocks.sum(0, dtype=total_kind))
+    return torch.from_numpy(blocks.sum(0, dtype=total_kind).reshape(shape))  # a new array: C-contiguous
 
 
-@functools.lru_cache(maxsize=1)
-def _numpy_dtypes() -> dict:
-    return {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-            torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
-            torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
+_NUMPY_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+                 torch.complex64: np.complex64, torch.complex128: np.complex128, torch.int8: np.int8,
+                 torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
 
 
 def copy_payloads(messages, y: torch.Tensor, counts: list[int]) -> bool:
@@ -144,6 +143,23 @@ def inline_payload(message, dtype: torch.dtype, shape, device: torch.device | st
 def message_length(group_size: int) -> int:
     """Return the int64 words each member contributes to an allgathered header round in a group of this size."""
     return MESSAGE_LENGTH if group_size <= INLINE_GROUP else HEADER_LENGTH
+
+
+def remembered(P, key, messages, derive):
+    """Return ``derive(messages)``, remembered in ``P``'s cache under ``key`` by the messages' headers.
+
+    Decoding and checking the headers costs a few us a call, and they repeat call after call; a
+    ``derive`` that raises (alike on every member) is not remembered.
+    """
+    known = P._memo(key, dict)
+    headers = messages[:, :HEADER_LENGTH].tobytes()
+    found = known.get(headers)
+    if found is None:
+        found = derive(messages)
+        if len(known) >= 512:  # forget the oldest
+            known.pop(next(iter(known)))
+        known[headers] = found
+    return found
 
 
 def carries_payload(messages, dtype: torch.dtype, shape) -> bool:

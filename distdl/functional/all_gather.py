@@ -35,7 +35,7 @@ from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
                                        header_of, in_graph, load_anchor, save_anchor)
 from distdl.functional._messages import (HEADER_BYTES, carries_payload, copy_payloads, decode, encode_message,
-                                         message_length, payloads)
+                                         message_length, payloads, remembered)
 from distdl.functional.all_sum_reduce import FibrePlan, checked_fibre, fibre_plan
 from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
@@ -113,20 +113,8 @@ def exchange(where: str, P_fibre: MPIPartition, x: torch.Tensor) -> np.ndarray:
 
 
 def agreed(where: str, P_fibre: MPIPartition, key: tuple, messages: np.ndarray, check) -> Layout:
-    """Return ``check(shapes)``, the :class:`Layout` the members' headers agree on, remembered by the headers.
-
-    Decoding and checking the headers costs a few us a call, and they repeat call after call; a
-    failed check raises (the same on every member) and is not remembered.
-    """
-    known = P_fibre._memo(key, dict)
-    headers = messages[:, :HEADER_LENGTH].tobytes()
-    found = known.get(headers)
-    if found is None:
-        found = check(_shapes(where, P_fibre, messages))
-        if len(known) >= 512:  # forget the oldest
-            known.pop(next(iter(known)))
-        known[headers] = found
-    return found
+    """Return ``check(shapes)``, the :class:`Layout` the members' headers agree on, remembered by the headers."""
+    return remembered(P_fibre, key, messages, lambda rows: check(_shapes(where, P_fibre, rows)))
 
 
 def _agreed_layout(where: str, fibre: FibrePlan, messages: np.ndarray) -> Layout:

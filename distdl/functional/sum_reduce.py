@@ -34,7 +34,7 @@ from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like, header_of, in_graph,
                                        load_anchor, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
-                                         rides_inline, sum_payloads)
+                                         remembered, rides_inline, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
 from distdl.functional.repartition import union
 from distdl.checks import announce, check_mode, verify
@@ -93,14 +93,19 @@ def reduction_plan(P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool,
 _NO_SOURCE = empty_message()[:HEADER_LENGTH].tobytes()
 
 
-def _agreed(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tuple[int, ...], list[int]]:
-    """Return the dtype and shape of a group's blocks and its sources' ranks; ValueError unless all agree."""
+def _agreed(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tuple[int, ...], list[int] | None]:
+    """Return the dtype and shape of a group's blocks and its sources' ranks (None: every member is one);
+    ValueError unless all agree."""
+    return remembered(P, "sum_reduce agreed", messages, lambda rows: _structure(P, rows))
+
+
+def _structure(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tuple[int, ...], list[int] | None]:
     headers = [row[:HEADER_LENGTH].tobytes() for row in messages]
     sources = [r for r, header in enumerate(headers) if header != _NO_SOURCE]  # not a receiver that is no source
     if any(headers[r] != headers[sources[0]] for r in sources):
         raise ValueError(f"sum_reduce: expected the blocks summed onto one worker to agree in dtype and shape, "
                          f"got blocks that differ among root ranks {list(P.root_ranks)}")
-    return (*decode(messages[sources[0]]), sources)
+    return (*decode(messages[sources[0]]), None if len(sources) == len(headers) else sources)
 
 
 def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
