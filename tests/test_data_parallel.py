@@ -481,6 +481,32 @@ def test_buffers_follow_rank_0_in_training(P_world, comm):
         DataParallel(Scaled(), P_world, broadcast_buffers=1)
 
 
+@sizes(2, 3)
+def test_buffers_of_every_kind_follow_rank_0(P_world, comm):
+    """The buffers travel in one broadcast per dtype: each lands back in its own place, whatever its dtype, shape
+    (0-d, empty) or layout (a transposed view), at wrapping and at each forward with grad mode on."""
+    def buffers(seed):
+        g = torch.Generator().manual_seed(seed)
+        return {"a": torch.rand(3, generator=g), "b": torch.rand(4, 3, generator=g).t(),
+                "c": torch.rand((), generator=g), "d": torch.randint(9, (5,), generator=g),
+                "e": torch.rand(4, generator=g) > 0.5, "f": torch.rand(2, 2, generator=g, dtype=torch.float64),
+                "g": torch.empty(0), "h": torch.rand(7, generator=g)}
+
+    model = torch.nn.Linear(3, 2)
+    for name, t in buffers(comm.rank + 1).items():
+        model.register_buffer(name, t)
+    wrapped = DataParallel(model, P_world)
+    for drift in (False, True):
+        if drift:  # every buffer drifts; the next forward with grad mode on brings rank 0's back
+            for name, t in buffers(comm.rank + 100).items():
+                getattr(model, name).copy_(t)
+            wrapped(torch.rand(2, 3))
+        for name, t in buffers(100 if drift else 1).items():
+            assert getattr(model, name).dtype == t.dtype
+            torch.testing.assert_close(getattr(model, name), t, rtol=0, atol=0)
+    assert not model.b.is_contiguous()
+
+
 @sizes(1, 2, 3)
 def test_sum_of_an_accumulated_gradient_raises(P_world, comm):
     """op='sum' with a second backward onto the last reduced gradients would sum them again (P.size times too large):

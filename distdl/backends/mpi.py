@@ -14,12 +14,13 @@ import os
 import numpy as np
 import torch
 from mpi4py import MPI
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distdl.backends import cuda
 
-__all__ = ["buffer", "strided", "reduction_dtype", "empty", "contiguous", "crowded", "bcast", "allreduce_sum",
-           "InPlaceSum", "reduce_sum", "reduce_scatter_blocks", "allgather_blocks", "pairwise",
-           "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
+__all__ = ["buffer", "strided", "reduction_dtype", "empty", "contiguous", "crowded", "bcast", "bcast_in_place",
+           "bcast_in_place_all", "allreduce_sum", "InPlaceSum", "reduce_sum", "reduce_scatter_blocks",
+           "allgather_blocks", "pairwise", "PAIRWISE_SUM_BYTES", "STRIDED_BYTES"]
 
 _SUM_TYPES = {
     torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE,
@@ -175,6 +176,27 @@ def bcast_in_place(comm: MPI.Intracomm, t: torch.Tensor) -> None:
     if data.data_ptr() != t.data_ptr():
         with torch.no_grad():
             t.copy_(data)
+
+
+def bcast_in_place_all(comm: MPI.Intracomm, tensors) -> None:
+    """Overwrite each of ``tensors`` with its value on rank 0 of ``comm``: one broadcast per device and dtype
+    of them laid end to end, as torch's DDP coalesces its buffers (one each cost a collective each).
+
+    Every member passes tensors of the same shapes and dtypes, in the same order.
+    """
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    with torch.no_grad():
+        for (device, dtype), group in groups.items():
+            if len(group) == 1:
+                bcast_in_place(comm, group[0])
+                continue
+            flat = _flatten_dense_tensors(group) if comm.rank == 0 else torch.empty(
+                sum(t.numel() for t in group), dtype=dtype, device=device)
+            bcast_in_place(comm, flat)
+            if comm.rank != 0:
+                torch._foreach_copy_(group, _unflatten_dense_tensors(flat, group))
 
 
 def allreduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor) -> None:

@@ -108,9 +108,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
             bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
             torch.nn.init.uniform_(self.bias, -bound, bound)
         if self.P_x.active and self.P_x.size > 1:
-            for t in (self.weight, self.bias):
-                if t is not None:
-                    transport.bcast_in_place(self.P_x.comm, t)
+            transport.bcast_in_place_all(self.P_x.comm, [t for t in (self.weight, self.bias) if t is not None])
 
     def _length(self, k: int, n: int) -> int:
         return _windows.sliding_length(n, self.kernel_size[k], self.stride[k], *self._pads[k], self.dilation[k])

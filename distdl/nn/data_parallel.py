@@ -114,14 +114,14 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
 class DataParallel(torch.nn.Module):
     """Wrap ``module`` so that backward reduces its gradients over ``P``, overlapped with backward.
 
-    At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of
-    ``P``, and so are the buffers at every forward with grad mode on (``broadcast_buffers``, as torch's DDP: the
-    replicas' batch-norm statistics stay rank 0's). Such a forward is collective over ``P``: it also plans the
-    buckets again where the parameters that take gradients changed since (frozen or unfrozen, converted with
-    ``.double()``, replaced by ``load_state_dict(assign=True)``), on every member alike. During backward, as
-    soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts (buckets start
-    in a fixed order, the same on every member); all of them complete when backward ends, before anyone can read
-    ``.grad``.
+    At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of ``P`` (one
+    broadcast per dtype), and so are the buffers at every forward with grad mode on (``broadcast_buffers``, as
+    torch's DDP: the replicas' batch-norm statistics stay rank 0's). Such a forward is collective over ``P``: it
+    also plans the buckets again where the parameters that take gradients changed since (frozen or unfrozen,
+    converted with ``.double()``, replaced by ``load_state_dict(assign=True)``), on every member alike. During
+    backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts
+    (buckets start in a fixed order, the same on every member); all of them complete when backward ends, before
+    anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`; with ``op="sum"``, a backward that
     accumulates onto the last reduced gradients raises RuntimeError (it would sum them again). Every member of ``P``
@@ -160,8 +160,7 @@ class DataParallel(torch.nn.Module):
         self._comm = _communicator(P)
         states = list(module.parameters()) + list(module.buffers())
         _check_agreement("DataParallel", P, _signature(self._buckets, states))
-        for t in states:
-            transport.bcast_in_place(P.comm, t)
+        transport.bcast_in_place_all(P.comm, states)
         self._changed = np.zeros(1, dtype=np.int64)
         self._hooks: list = []
         weakref.finalize(self, _remove, self._hooks)  # the hooks go with the wrapper: a dropped one does not reduce
@@ -185,8 +184,7 @@ class DataParallel(torch.nn.Module):
             if self._changed[0]:
                 self._replan(params)
             if self.broadcast_buffers:
-                for t in self.module.buffers():
-                    transport.bcast_in_place(self.P.comm, t)
+                transport.bcast_in_place_all(self.P.comm, self.module.buffers())
         return self.module(*args, **kwargs)
 
     def _replan(self, params: list) -> None:
