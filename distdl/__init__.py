@@ -11,14 +11,14 @@ import logging
 
 from distdl import abort
 from distdl.backends import info
-from distdl.checks import CollectiveMismatchError, check_mode, checking, set_check_mode
+from distdl.checks import CollectiveMismatchError, CollectiveTimeoutError, check_mode, checking, set_check_mode
 from distdl.describe import describe
 from distdl.partition import MPIPartition
 
 from distdl import functional, nn, utilities  # noqa: E402  (they use MPIPartition)
 
-__all__ = ["MPIPartition", "CollectiveMismatchError", "check_mode", "checking", "describe", "functional", "info", "nn",
-           "set_check_mode", "utilities", "__version__"]
+__all__ = ["MPIPartition", "CollectiveMismatchError", "CollectiveTimeoutError", "check_mode", "checking", "describe",
+           "functional", "info", "nn", "set_check_mode", "utilities", "__version__"]
 
 __version__ = "0.1.0"
 

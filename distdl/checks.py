@@ -13,6 +13,11 @@ and if any record differs, every member raises :class:`CollectiveMismatchError` 
 disagreeing ranks (ranks of ``MPI.COMM_WORLD``) and what differs, e.g.
 ``all_sum_reduce: ranks disagree on shape: ranks 0, 1 have (3, 4); rank 2 has (3, 5)``.
 
+A rank that skipped a call and went on to a collective on another communicator never joins its
+peers' check: a member that waits for its peers' records longer than ``DISTDL_CHECK_TIMEOUT``
+seconds (default 120; 0 waits forever) raises :class:`CollectiveTimeoutError` naming its call,
+and distdl's abort hook (:mod:`distdl.abort`) then ends the job.
+
 Turn it on with ``DISTDL_CHECK=1`` in the environment, or ``distdl.set_check_mode(True)``, or for
 a block with ``with distdl.checking():``. Set it the same way on every rank: a rank that skips
 the check while its peers make it pairs their check with its collective. Off (the default),
@@ -26,6 +31,7 @@ import contextlib
 import hashlib
 import numbers
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,7 +41,8 @@ from mpi4py import MPI
 
 from distdl.partition import MPIPartition
 
-__all__ = ["CollectiveMismatchError", "announce", "verify", "set_check_mode", "check_mode", "checking"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "announce", "verify", "set_check_mode", "check_mode",
+           "checking"]
 
 
 def _from_environment() -> bool:
@@ -49,6 +56,7 @@ _RECORD = 4  # magic, sequence number, name hash, facts hash
 _TENSOR_FACTS = ("shape", "dtype", "device")
 _keyval: int | None = None
 _hashes: dict[str, int] = {}
+_abandoned: list = []  # requests given up on (see _wait)
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -65,6 +73,23 @@ class CollectiveMismatchError(RuntimeError):
                                             for value, ranks in groups.items())
                    for fact, groups in differences.items()]
         super().__init__(f"{where}: ranks disagree on " + "; and on ".join(clauses))
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """In check mode, a worker waited longer than ``DISTDL_CHECK_TIMEOUT`` seconds for its peers to check a call:
+    one of them skipped it (or waits in another collective)."""
+
+
+def _timeout() -> float:
+    """Return ``DISTDL_CHECK_TIMEOUT`` in seconds (0: no limit), read at each check so a test can set it."""
+    text = os.environ.get("DISTDL_CHECK_TIMEOUT", "").strip()
+    try:
+        value = float(text) if text else 120.0
+    except ValueError:
+        raise ValueError(f"verify: expected a number of seconds for DISTDL_CHECK_TIMEOUT, got {text!r}") from None
+    if not value >= 0:
+        raise ValueError(f"verify: expected a number of seconds >= 0 for DISTDL_CHECK_TIMEOUT, got {text!r}")
+    return value
 
 
 def set_check_mode(enabled: bool) -> None:
@@ -122,7 +147,8 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     if comm.Get_size() == 1:
         return
     records = np.empty((comm.Get_size(), _RECORD), dtype=np.int64)
-    comm.Allgather([record, MPI.INT64_T], [records, MPI.INT64_T])
+    _wait(where, comm, int(record[1]), comm.Iallgather([record, MPI.INT64_T], [records, MPI.INT64_T]),
+          (record, records))
     if (records == record).all():
         return
     # Every member saw the same records, so every member takes this branch: describe and raise.
@@ -139,6 +165,26 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     if not differences:  # a record from a collective other than verify(), or a hash collision
         differences["check record"] = {"different records (is check mode on on every rank?)": ranks}
     raise CollectiveMismatchError(where, differences)
+
+
+def _wait(where: str, comm: MPI.Comm, number: int, request: MPI.Request, buffers: tuple) -> None:
+    """Complete the check's exchange; raise CollectiveTimeoutError past the time limit (see the module's doc).
+
+    Polls with growing pauses (up to 10 ms): a worker waiting here leaves its CPU to the others. A request given
+    up on keeps its ``buffers`` alive (MPI may still write them).
+    """
+    limit, start, pause = _timeout(), time.monotonic(), 1e-5
+    while not request.Test():
+        waited = time.monotonic() - start
+        if limit and waited > limit:
+            _abandoned.append((request, buffers))
+            raise CollectiveTimeoutError(
+                f"{where}: waited {waited:.0f} s in check mode for the other members of call {number} on this "
+                f"communicator (ranks {', '.join(map(str, _world_ranks(comm)))}) to make it too: one of them skipped "
+                "it (a forward or backward() made on some ranks only) or waits in another collective; each waiting "
+                "rank names its own call (DISTDL_CHECK_TIMEOUT sets the limit in seconds, 0 for none)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
 
 
 def announce(where: str, P: Callable[[], MPIPartition | MPI.Intracomm | None], error: Exception) -> None:

@@ -122,6 +122,12 @@ class MPIPartition:
         partition._init(self._root, members, shape, comm, owned=True)
         return partition
 
+    def _agree(self, where: str, **facts: Any) -> None:
+        """In check mode, verify that every member of this partition derives the same partition (else a hang)."""
+        from distdl import checks  # checks imports this module
+        if checks.check_mode() and self.active:
+            checks.verify(where, self, agree=facts)
+
     def _require_members(self, where: str) -> tuple[int, ...]:
         if self._members is None:
             raise ValueError(f"{where}: the members of this partition are unknown on root rank "
@@ -192,6 +198,7 @@ class MPIPartition:
         if not shape or any(s < 1 for s in shape) or int(np.prod(shape)) != self.size:
             raise ValueError(f"create_cartesian_topology_partition: expected a shape of positive extents "
                              f"whose product is the partition size {self.size}, got {list(shape)}")
+        self._agree("create_cartesian_topology_partition", shape=shape)
         return self._derive(self._members, shape)
 
     def create_subpartition(self, axes: Iterable[int]) -> MPIPartition:
@@ -201,6 +208,7 @@ class MPIPartition:
         shape = tuple(self.shape[a] for a in axes)
         if not self.active:
             return self._derive(None, shape)
+        self._agree("create_subpartition", axes=axes)
         grid = np.arange(self.size).reshape(self.shape)
         fibre = grid[tuple(slice(None) if a in axes else i for a, i in enumerate(self.index))]
         return self._derive(tuple(self._members[r] for r in fibre.ravel()), shape)

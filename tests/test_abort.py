@@ -102,12 +102,13 @@ def test_hook_prints_the_traceback_and_spares_a_single_rank(capsys):
     assert "Traceback (most recent call last)" in err and "ValueError: boom" in err
 
 
-def _launch(*args, module=False):
+def _launch(*args, module=False, script=SCRIPT, **environment):
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable} (install the mpich extra: make install)")
-    command = [str(MPIEXEC), "-n", "2", sys.executable, *(["-m", "mpi4py"] if module else []), str(SCRIPT), *args]
+    command = [str(MPIEXEC), "-n", "2", sys.executable, *(["-m", "mpi4py"] if module else []), str(script), *args]
     try:
-        return subprocess.run(command, cwd=ROOT, env=_environment(), capture_output=True, text=True, timeout=90)
+        return subprocess.run(command, cwd=ROOT, env=_environment(**environment), capture_output=True, text=True,
+                              timeout=90)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"the job hung instead of aborting: {error}")
 
@@ -127,3 +128,14 @@ def test_job_without_error_exits_cleanly():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 finished" in result.stdout and "rank 1 finished" in result.stdout
     assert "aborting" not in result.stderr
+
+
+def test_a_skipped_backward_ends_the_job_in_check_mode():
+    """Rank 1 skips a DataParallel backward: rank 0 waits in its reduction for ever; in check mode rank 1's next
+    forward gives up waiting for rank 0 to check it, and the abort hook ends the job."""
+    result = _launch(script=ROOT / "tests" / "scripts" / "skip_a_backward.py", DISTDL_CHECK="1",
+                     DISTDL_CHECK_TIMEOUT="3")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "CollectiveTimeoutError: DataParallel: waited " in output, output
+    assert "finished" not in output

@@ -1,17 +1,20 @@
 """Check mode: agreement passes, every kind of disagreement raises on every rank, off costs nothing."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 
 import distdl
 from distdl import checks
-from distdl.checks import CollectiveMismatchError, checking, verify
+from distdl.checks import CollectiveMismatchError, CollectiveTimeoutError, checking, verify
+from distdl.testing import random_tensor
 from helpers import partition_shapes, sizes
 
 
@@ -45,7 +48,7 @@ def test_agreement_passes_on_partitions_and_communicators(P_world, comm):
         verify("halo_exchange", P_world, agree={"halo_shape": [[1, 1], [2, 2]], "axes": (0,)})
         verify("no_facts", P_world)
         # Every call advanced this communicator's call number in step.
-        assert checks._next_sequence(comm) == 4
+        assert checks._next_sequence(comm) == 4 + len(partition_shapes(comm.size))  # each partition built checked
 
 
 @sizes(2, 3, 4)
@@ -253,3 +256,64 @@ def test_a_state_dict_load_on_rank_0_alone_is_named(P_world, comm):
         layer.state_dict()
     groups = {"load_state_dict": [0], "state_dict": list(range(1, comm.size))}
     assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+
+
+@sizes(2, 3)
+def test_a_call_skipped_before_a_call_on_another_communicator_times_out(P_world, comm, monkeypatch):
+    """The last rank skips a call on A and goes on to one on B, where its peers never come (they wait on A): the
+    sequence numbers, counted per communicator, cannot pair them up; past DISTDL_CHECK_TIMEOUT each raises,
+    naming its own call (distdl's abort hook then ends a job)."""
+    A, B = (P_world.create_partition_inclusive(range(comm.size)) for _ in range(2))
+    last = comm.rank == comm.size - 1
+    monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "1")
+    with checking(), pytest.raises(CollectiveTimeoutError) as info:
+        if not last:
+            verify("all_gather", A)
+        verify("all_sum_reduce", B)
+    where = "all_sum_reduce" if last else "all_gather"
+    ranks = ", ".join(map(str, range(comm.size)))
+    assert re.match(rf"{where}: waited \d+ s in check mode for the other members of call 0 on this communicator "
+                    rf"\(ranks {ranks}\) to make it too: one of them skipped it", str(info.value)), str(info.value)
+    # End cleanly: each joins the exchange it skipped, so that the abandoned one completes.
+    request, _ = checks._abandoned.pop()
+    (A if last else B).comm.Iallgather(np.zeros(4, dtype=np.int64), np.empty((comm.size, 4), dtype=np.int64)).Wait()
+    request.Wait()
+    monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "soon")
+    with checking(), pytest.raises(ValueError, match="verify: expected a number of seconds for DISTDL_CHECK_TIMEOUT, "
+                                                     "got 'soon'"):
+        verify("all_sum_reduce", A)
+
+
+@sizes(2, 3)
+def test_partitions_built_differently_are_named(P_world, comm):
+    """Deriving a partition is collective: workers passing other shapes or axes hung creating its communicator."""
+    last = comm.rank == comm.size - 1
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        P_world.create_cartesian_topology_partition((1, comm.size) if last else (comm.size, 1))
+    groups = {f"({comm.size}, 1)": list(range(comm.size - 1)), f"(1, {comm.size})": [comm.size - 1]}
+    assert str(info.value) == f"create_cartesian_topology_partition: ranks disagree on shape: {_clause(groups)}"
+    P = P_world.create_cartesian_topology_partition((1, comm.size))
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        P.create_subpartition((0,) if last else (1,))
+    groups = {"(1,)": list(range(comm.size - 1)), "(0,)": [comm.size - 1]}
+    assert str(info.value) == f"create_subpartition: ranks disagree on axes: {_clause(groups)}"
+
+
+@sizes(2, 3)
+def test_layers_built_differently_are_named(P_world, comm):
+    """A loss with another reduction on one worker summed the same three numbers into another loss (silently), or
+    ('none') skipped the sum; a convolution with other padding exchanged other windows (raw MPI errors)."""
+    from distdl.nn import DistributedFeatureConv1d, DistributedMSELoss
+    last = comm.rank == comm.size - 1
+    P = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x, y = random_tensor((2, 3), seed=comm.rank), random_tensor((2, 3), seed=comm.rank + 10)
+    for other in ("sum", "none"):
+        loss = DistributedMSELoss(P, reduction=other if last else "mean")
+        with checking(), pytest.raises(CollectiveMismatchError) as info:
+            loss(x, y)
+        groups = {"mean": list(range(comm.size - 1)), other: [comm.size - 1]}
+        assert str(info.value) == f"DistributedMSELoss: ranks disagree on reduction: {_clause(groups)}"
+    P = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    conv = DistributedFeatureConv1d(P, 2, 3, 3, padding=0 if last else 1)
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"window_exchange: ranks disagree on windows: "):
+        conv(random_tensor((1, 2, 4), seed=comm.rank, dtype=torch.float32))

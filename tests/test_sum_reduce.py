@@ -1,6 +1,7 @@
 """SumReduce: forward against a local reference, adjoint tests, zero-volume, inactive workers, dtypes and errors."""
 
 import gc
+import re
 
 import numpy as np
 import pytest
@@ -135,10 +136,14 @@ def test_backward_is_broadcast_and_plan_shared(P_world, comm, checked):
 @sizes(2, 3)
 def test_sources_that_disagree_raise_on_every_member(P_world, comm):
     layer = SumReduce(P_world, P_world.create_partition_inclusive([0]))
-    with pytest.raises(ValueError, match=r"sum_reduce: expected the blocks summed onto one worker to agree in "
-                                         r"dtype and shape, got blocks that differ among root ranks \[0, 1"):
+    expected = "sum_reduce: expected the blocks summed onto one worker to agree in dtype and shape, got "
+    shapes = "; ".join(f"shape (2, {1 + r}) of torch.float32 on root rank {r}" for r in range(comm.size))
+    with pytest.raises(ValueError, match=re.escape(expected + shapes) + "$"):
         layer(torch.ones(2, 1 + comm.rank))
-    with pytest.raises(ValueError, match="sum_reduce: expected the blocks summed onto one worker to agree"):
+    others = ", ".join(map(str, range(1, comm.size)))
+    dtypes = ("shape (2,) of torch.float32 on root rank 0; shape (2,) of torch.float64 on root "
+              f"rank{'s' * (comm.size > 2)} ")
+    with pytest.raises(ValueError, match=re.escape(expected + dtypes + others) + "$"):
         layer(torch.ones(2, dtype=torch.float64 if comm.rank else torch.float32))
     y = layer(torch.ones(2))  # still usable
     assert y.tolist() == [comm.size] * 2 if comm.rank == 0 else y.shape == (2, 0)

@@ -103,8 +103,13 @@ def _structure(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tupl
     headers = [row[:HEADER_LENGTH].tobytes() for row in messages]
     sources = [r for r, header in enumerate(headers) if header != _NO_SOURCE]  # not a receiver that is no source
     if any(headers[r] != headers[sources[0]] for r in sources):
-        raise ValueError(f"sum_reduce: expected the blocks summed onto one worker to agree in dtype and shape, "
-                         f"got blocks that differ among root ranks {list(P.root_ranks)}")
+        seen: dict[str, list[int]] = {}
+        for r in sources:
+            dtype, shape = decode(messages[r])
+            seen.setdefault(f"shape {shape} of {dtype}", []).append(P.root_ranks[r])
+        raise ValueError("sum_reduce: expected the blocks summed onto one worker to agree in dtype and shape, got "
+                         + "; ".join(f"{what} on root rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+                                     for what, ranks in seen.items()))
     return (*decode(messages[sources[0]]), None if len(sources) == len(headers) else sources)
 
 

@@ -54,7 +54,7 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
             windows of the wrong count or dimension, or data outside ``P_x``.
     """
     x_global_shape, windows = _check("window_exchange", x, P_x, x_global_shape, windows, "block")
-    verify("window_exchange", P_x, x, ("dtype", "device"))
+    verify("window_exchange", P_x, agree=_facts(x, x_global_shape, windows))
     return _Window.apply(in_graph(x), P_x, x_global_shape, windows, True)
 
 
@@ -69,8 +69,14 @@ def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple
         P_x, x_global_shape, windows: as for :func:`window_exchange`.
     """
     x_global_shape, windows = _check("window_scatter_add", y, P_x, x_global_shape, windows, "window")
-    verify("window_scatter_add", P_x, y, ("dtype", "device"))
+    verify("window_scatter_add", P_x, agree=_facts(y, x_global_shape, windows))
     return _Window.apply(in_graph(y), P_x, x_global_shape, windows, False)
+
+
+def _facts(x, shape, windows) -> dict:
+    """What check mode verifies: the dtype, the device and the windows (a layer built with another kernel or
+    padding on some worker exchanges other windows: raw MPI errors, or a hang)."""
+    return {"dtype": x.dtype, "device": x.device, "x_global_shape": shape, "windows": windows}
 
 
 def _ints(where, name, values):

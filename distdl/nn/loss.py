@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from distdl.checks import verify
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
@@ -72,6 +73,9 @@ class _DistributedLoss(torch.nn.Module):
         if tuple(target.shape) != expected:
             raise ValueError(f"{name}: expected a target of shape {expected} (the input's block is "
                              f"{tuple(input.shape)}), got shape {tuple(target.shape)} on worker {self.P_x._root.rank}")
+        # check mode: a loss made with another reduction elsewhere sums the same three numbers to another value,
+        # or ('none') makes no collective
+        verify(name, self.P_x, agree={"reduction": self.reduction})
         losses = self._elementwise(input, target)
         if self.reduction == "none":
             return losses
