@@ -179,8 +179,8 @@ def bcast_in_place(comm: MPI.Intracomm, t: torch.Tensor) -> None:
 
 
 def bcast_in_place_all(comm: MPI.Intracomm, tensors) -> None:
-    """Overwrite each of ``tensors`` with its value on rank 0 of ``comm``: one broadcast per device and dtype
-    of them laid end to end, as torch's DDP coalesces its buffers (one each cost a collective each).
+    """Overwrite each of ``tensors`` with its value on rank 0 of ``comm``: one broadcast per device and dtype,
+    of those tensors laid end to end (as torch's DDP coalesces its buffers), instead of a collective each.
 
     Every member passes tensors of the same shapes and dtypes, in the same order.
     """
