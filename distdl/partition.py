@@ -269,6 +269,24 @@ class MPIPartition:
             self._cache[key] = build()
         return self._cache[key]
 
+    def _memo_recent(self, kind: str, key: Any, build: Any, limit: int = 256) -> Any:
+        """Return what ``build()`` returns for ``key``, kept among the ``limit`` latest built for ``kind``.
+
+        For plans keyed by a call's shapes: a job whose shapes vary from call to call (sequence lengths,
+        image sizes, a smaller last batch) must not keep one per shape for ever. Every member sees the
+        same calls, so every member forgets the same plans. ``build()`` must not communicate.
+        """
+        known = self._cache.get(("recent", kind))
+        if known is None:
+            known = self._cache[("recent", kind)] = {}
+        found = known.get(key)
+        if found is None:
+            found = build()
+            if len(known) >= limit:  # forget the oldest
+                known.pop(next(iter(known)))
+            known[key] = found
+        return found
+
     def _memo_with(self, other: MPIPartition, key: Any, build: Any) -> Any:
         """Return what ``build()`` returns for ``key`` and the partition object ``other``, built once.
 

@@ -96,6 +96,9 @@ class FibrePlan:
         self.sum_dtype = sum_dtype  # None: summed in the input's dtype
 
 
+_KEYED = (tuple, type(None), int, range)  # axes arguments that hash by value
+
+
 def fibre_plan(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[int] | None,
                axes_keep: Iterable[int] | None, what: str = "axes_reduce", summed: bool = True) -> FibrePlan:
     """Return the plan of a call after :func:`validate`; skip validating when these very axes objects were.
@@ -103,10 +106,13 @@ def fibre_plan(where: str, x: torch.Tensor, P_x: MPIPartition, axes: Iterable[in
     ``x`` and ``P_x`` must have passed ``check_tensor`` and ``check_partition``.
     """
     key = (where, axes, axes_keep, x.dtype)
-    try:
-        plan = P_x._cache.get(key)
-    except TypeError:  # unhashable axes (a list): validated on every call
-        plan = key = None
+    if not (type(axes) in _KEYED and type(axes_keep) in _KEYED):  # an iterator (a new object each call) would
+        plan = key = None  # add an entry per call; a list is unhashable: validated on every call
+    else:
+        try:
+            plan = P_x._cache.get(key)
+        except TypeError:  # a tuple holding something unhashable
+            plan = key = None
     # Equal axes are not enough to skip validation: (0.0,) equals (0,) as a key and must still be rejected.
     if plan is not None and plan.given[0] is axes and plan.given[1] is axes_keep:
         return plan

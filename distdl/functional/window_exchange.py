@@ -192,7 +192,7 @@ def _plan(P_x, shape, windows):
                    for edge in (slice(0, min(-a, b - a)) if a < 0 else None,
                                 slice(max(n - a, 0), b - a) if b > n else None) if edge is not None]
         return _Plan(block, sends, recvs, own, covered, outside)
-    return P_x._memo(("window plan", shape, windows), build)
+    return P_x._memo_recent("window plan", (shape, windows), build)
 
 
 def _exchange(t, P_x, shape, windows, forward):

@@ -142,7 +142,7 @@ def fetch(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channe
         return Plan(x_shape, y_shape, tuple(windows), window, _block(P_x, P_x.index, y_shape), paddings[P_x.rank],
                     local)
 
-    plan = P_x._memo(("windowed layer", padded_stride) + key + (extents.tobytes(),), build)
+    plan = P_x._memo_recent("windowed layer", (padded_stride,) + key + (extents.tobytes(),), build)
     if plan.local is not None:  # no exchange; () is the whole block, used as it is (a slice would copy in backward)
         return plan, x[plan.local] if plan.local else x
     if any(facts[:, -1].tolist()):  # some worker's input needs a gradient

@@ -172,8 +172,9 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
                 window, padding = F.pad(window, [p for side in reversed(padding) for p in (side, side)]), (0, 0, 0)
             sums = F.avg_pool3d(window, self.kernel_size, self.stride, padding, False, True, 1)
         divisor = self.divisor_override or torch.from_numpy(
-            self.P_x._memo(("avg divisor", self.kernel_size, self.stride, self.padding, self.ceil_mode,
-                            self.count_include_pad, plan.x_shape), lambda: self._divisor(plan))
+            self.P_x._memo_recent("avg divisor", (self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                                                  self.count_include_pad, plan.x_shape), lambda: self._divisor(plan),
+                                  32)  # each as large as the output block
         ).to(device=x.device, dtype=compute)
         y = sums / divisor if x.is_floating_point() else torch.div(sums, divisor, rounding_mode="trunc")
         return y.to(x.dtype)

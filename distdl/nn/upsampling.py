@@ -133,9 +133,9 @@ class DistributedUpsample(torch.nn.Module):
 
     def _coordinates(self, k: int, n: int, length: int, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
         scale = None if self.scale_factor is None or self.recompute_scale_factor else self.scale_factor[k]
-        key = ("upsample", self.mode, bool(self.align_corners), n, length, scale, dtype == torch.float64)
-        return self.P_x._memo(key, lambda: coordinates(self.mode, bool(self.align_corners), n, length, scale, dtype,
-                                                       self.P_x.dim - 2))
+        key = (self.mode, bool(self.align_corners), n, length, scale, dtype == torch.float64)
+        return self.P_x._memo_recent("upsample", key, lambda: coordinates(
+            self.mode, bool(self.align_corners), n, length, scale, dtype, self.P_x.dim - 2), 32)  # O(length) each
 
     def _source(self, k: int, n: int, length: int, o0: int, o1: int, dtype: torch.dtype) -> tuple[int, int]:
         sources = self._coordinates(k, n, length, dtype)
