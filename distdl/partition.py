@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from distdl.utilities.caches import keep
+
 __all__ = ["MPIPartition", "live_communicators"]
 
 _live_communicators = 0
@@ -276,15 +278,10 @@ class MPIPartition:
         image sizes, a smaller last batch) must not keep one per shape for ever. Every member sees the
         same calls, so every member forgets the same plans. ``build()`` must not communicate.
         """
-        known = self._cache.get(("recent", kind))
-        if known is None:
-            known = self._cache[("recent", kind)] = {}
+        known = self._memo(("recent", kind), dict)
         found = known.get(key)
         if found is None:
-            found = build()
-            if len(known) >= limit:  # forget the oldest
-                known.pop(next(iter(known)))
-            known[key] = found
+            found = keep(known, key, build(), limit)
         return found
 
     def _memo_with(self, other: MPIPartition, key: Any, build: Any) -> Any:

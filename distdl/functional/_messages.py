@@ -18,6 +18,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.functional._common import _DTYPES, HEADER_LENGTH, header_of
+from distdl.utilities.caches import keep
 
 INLINE_BYTES = 1024
 HEADER_BYTES = HEADER_LENGTH * 8
@@ -155,10 +156,7 @@ def remembered(P, key, messages, derive):
     headers = messages[:, :HEADER_LENGTH].tobytes()
     found = known.get(headers)
     if found is None:
-        found = derive(messages)
-        if len(known) >= 512:  # forget the oldest
-            known.pop(next(iter(known)))
-        known[headers] = found
+        found = keep(known, headers, derive(messages), 512)
     return found
 
 

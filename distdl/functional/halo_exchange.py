@@ -39,6 +39,7 @@ from distdl.functional._common import (check_dim, check_idle_input, check_partit
                                        load_anchor, save_anchor)
 from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
+from distdl.utilities.caches import keep
 
 __all__ = ["halo_exchange", "halo_exchange_adjoint"]
 
@@ -229,8 +230,7 @@ def _scratch(P_x: MPIPartition, like: torch.Tensor, slot) -> torch.Tensor:
     """Return a cached contiguous buffer shaped like ``like`` (one per slot, shape, dtype and device)."""
     cache = P_x._memo("halo_exchange_scratch", dict)
     key = (tuple(like.shape), like.dtype, like.device, slot)
-    if key not in cache:
-        if len(cache) >= _MAX_SCRATCH:
-            cache.clear()
-        cache[key] = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    return cache[key]
+    found = cache.get(key)
+    if found is None:
+        found = keep(cache, key, torch.empty(like.shape, dtype=like.dtype, device=like.device), _MAX_SCRATCH)
+    return found

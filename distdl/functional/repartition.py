@@ -40,6 +40,7 @@ from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_mes
                                          message_length, payloads)
 from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
+from distdl.utilities.caches import keep
 from distdl.utilities.slicing import compute_start_index, compute_stop_index, compute_subshape
 
 __all__ = ["repartition"]
@@ -172,9 +173,7 @@ def _forward(x, P_x, P_y, pair):
     plan = pair.plans.get(key)
     if plan is None:
         dtype, shape = _global_structure(messages[_union_ranks(pair.P_union, P_x), :HEADER_LENGTH], P_x)
-        if len(pair.plans) >= _PLANS_KEPT:
-            pair.plans.pop(next(iter(pair.plans)))
-        plan = pair.plans[key] = _Plan(P_x, P_y, pair.P_union, shape, dtype)
+        plan = keep(pair.plans, key, _Plan(P_x, P_y, pair.P_union, shape, dtype), _PLANS_KEPT)
     return _exchange(x, plan, pair, messages), plan
 
 

@@ -30,6 +30,7 @@ from distdl.functional._common import (check_dim, check_idle_input, check_partit
                                        load_anchor, save_anchor)
 from distdl.checks import verify
 from distdl.partition import MPIPartition
+from distdl.utilities.caches import keep
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
 
 __all__ = ["window_exchange", "window_scatter_add"]
@@ -100,9 +101,7 @@ def _normalized(where, P_x, shape, windows):
         return shape, windows
     result = _checked(where, P_x, shape, windows)
     if result == (shape, windows) and type(shape) is tuple and type(windows) is tuple:  # immutable: remember
-        if len(known) >= 64:  # forget the oldest
-            known.pop(next(iter(known)))
-        known[id(windows)] = (shape, windows)  # holds them: the ids stay theirs
+        keep(known, id(windows), (shape, windows), 64)  # holds them: the ids stay theirs
     return result
 
 

@@ -42,6 +42,7 @@ from distdl.backends import mpi as transport
 from distdl.checks import verify
 from distdl.functional._common import check_flags, check_partition
 from distdl.partition import MPIPartition
+from distdl.utilities.caches import keep
 
 __all__ = ["all_reduce_gradients", "DataParallel"]
 
@@ -106,9 +107,7 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
     if found is None:
         buckets = _plan(where, params, bucket_cap_mb)
-        found = plans[key] = buckets, _signature(buckets, [])
-        if len(plans) > 2:
-            plans.pop(next(iter(plans)))
+        found = keep(plans, key, (buckets, _signature(buckets, [])), 2)
     return found
 
 
