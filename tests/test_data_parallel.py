@@ -219,6 +219,27 @@ def test_a_dropped_wrapper_stops_reducing(P_world, comm):
         torch.testing.assert_close(model.w.grad, sum(random_tensor((n,), seed=r) for r in range(comm.size)))
 
 
+@sizes(2, 3)
+def test_a_dropped_wrapper_in_a_reference_cycle(P_world, comm):
+    """A dropped wrapper caught in a reference cycle lives until the garbage collector runs: wrapping its
+    parameters again collects it on every worker instead of raising, and then only the new wrapper reduces."""
+    gc.disable()  # the cycle must survive until the new wrapper is made
+    try:
+        model = _Scaled(5)
+        first = DataParallel(model, P_world, op="sum")
+        first.cycle = [first]
+        gone = weakref.ref(first)
+        del first
+        assert gone() is not None
+        second = DataParallel(model, P_world, op="sum")
+        assert gone() is None
+        x = random_tensor((5,), seed=comm.rank)
+        second(x).backward()
+        torch.testing.assert_close(model.w.grad, sum(random_tensor((5,), seed=r) for r in range(comm.size)))
+    finally:
+        gc.enable()
+
+
 class _Checkpointed(torch.nn.Module):
     def __init__(self, reentrant):
         super().__init__()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import weakref
 import zlib
 from collections import Counter
@@ -132,9 +133,10 @@ class DataParallel(torch.nn.Module):
 
     The wrapper reduces while it lives (keep it, as with torch's DDP). One wrapper at a time
     reduces a parameter: wrapping it again while an earlier wrapper lives raises ValueError (drop
-    the earlier one first; its hooks go with it). A backward that ends inside another before the
-    module's gradients are all ready (reentrant checkpointing of its last layers) raises
-    RuntimeError: use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. A backward that raises (on
+    the earlier one first; its hooks go with it; a dropped one caught in a reference cycle is
+    collected first). A backward that ends inside another before the module's gradients are all
+    ready (reentrant checkpointing of its last layers) raises RuntimeError: use
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. A backward that raises (on
     every member) leaves sums in flight: the next forward through the wrapper completes them (a collective) and
     drops that step's gradients; zero the gradients before the next backward, as after any step.
     """
@@ -152,8 +154,11 @@ class DataParallel(torch.nn.Module):
         self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
         if not P.active or P.size == 1:
             return
-        taken = [tuple(p.shape) for p in params if _REDUCING.get(id(p)) is not None]
-        if P.comm.allreduce(bool(taken), op=MPI.LOR):  # every member raises, whichever found it
+        taken, anywhere = _taken(P, params)
+        if anywhere:  # every member collects, whichever found one
+            gc.collect()  # a dropped wrapper caught in a reference cycle lives until the collector runs
+            taken, anywhere = _taken(P, params)
+        if anywhere:  # every member raises
             raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got "
                              f"{'one of shape ' + str(taken[0]) if taken else 'one on another member'} that a live "
                              "DataParallel already reduces (drop it first)")
@@ -276,6 +281,13 @@ class DataParallel(torch.nn.Module):
 
 # id of a parameter -> the live DataParallel reducing it (which holds the parameter, so the id stays its own)
 _REDUCING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _taken(P: MPIPartition, params: list) -> tuple[list[tuple[int, ...]], bool]:
+    """Return the shapes of ``params`` that a live DataParallel reduces here, and whether any member of ``P``
+    found one (collective)."""
+    taken = [tuple(p.shape) for p in params if _REDUCING.get(id(p)) is not None]
+    return taken, P.comm.allreduce(bool(taken), op=MPI.LOR)
 
 
 def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
