@@ -40,7 +40,7 @@ def test_layers_under_autocast(P_world, comm, overlap):
     P_col = P_world.create_cartesian_topology_partition([comm.size, 1])
     classic = [DistributedLinear(P_0, P_f, P_col, 4, 6), DistributedLinear(P_f, P_0, P_f, 6, 3)]
     x_0 = random_tensor((3, 4), seed=3).float() if P_0.active else zero_volume_tensor(dtype=torch.float32)
-    y_0 = random_tensor((3, 3), seed=4).float() if P_0.active else zero_volume_tensor(dtype=torch.float32)
+    y_0 = random_tensor((3, 3), seed=4).float() if P_0.active else zero_volume_tensor(3, dtype=torch.float32)
     cases = [(spatial, scatter(random_tensor((2, 2, 5, 7), seed=1).float(), P_s),
               scatter(random_tensor((2, 2, 5, 7), seed=2).float(), P_s)),
              (parallel, scatter(random_tensor((3, 4), seed=5).float(), P_f),

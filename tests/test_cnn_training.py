@@ -106,7 +106,7 @@ def test_training_follows_sequential(P_world, comm, device):
         ref_optimizer.zero_grad()
         ref_loss.backward()
         ref_optimizer.step()
-        assert logits.shape == ((N, CLASSES) if on_root else (0,))
+        assert logits.shape == ((N, CLASSES) if on_root else (N, 0))  # the batch extent is kept, as in DistDL
         losses.append(comm.bcast(loss.item() if on_root else None, root=0))
         torch.testing.assert_close(losses[-1], ref_loss.item(), **TOL,
                                    msg=lambda m: f"loss differs at step {step} on rank {comm.rank}: {m}")

@@ -91,6 +91,9 @@ def test_matches_torch(P_world, comm):
         check(layer, ref, P_x, P_y, P_w, (0, 1), x_shape)
         if not (P_x.active or P_y.active or P_w.active):
             assert layer(torch.zeros(0, dtype=torch.float64)).shape == (0,)
+        y = layer(scatter(random_tensor(x_shape, seed=7), P_x))
+        if not P_y.active and (P_x.active or P_w.active):  # DistDL's placeholder keeps the batch
+            assert y.shape == (x_shape[0], 0)
 
 
 @sizes(1, 2, 3, 4)
@@ -110,7 +113,7 @@ def test_adjoint_float32_and_non_contiguous(P_world, comm):
         assert not x_local.is_contiguous()
     with torch.no_grad():  # no graph anywhere: every worker skips backward alike
         y = layer(x_local)
-        expected = scatter(ref(x), P_y)
+        expected = scatter(ref(x), P_y, preserve_batch=True)  # outside P_y: (batch, 0)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 

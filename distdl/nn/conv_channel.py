@@ -153,7 +153,8 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return this worker's block of ``y`` (zero-volume outside ``P_y``)."""
+        """Return this worker's block of ``y``. Outside ``P_y`` it is zero-volume and, as DistDL's, keeps the batch
+        extent of the block this worker sent or multiplied, ``(batch, 0)`` (so ``y.view(y.size(0), -1)`` works)."""
         name = type(self).__name__
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
@@ -162,10 +163,10 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         else:
             x = x.to(self.weight.dtype)
         x = in_graph(x)  # join the graph, so every worker runs backward
-        x_w = broadcast(self._window(name, x), self._X, self._W, preserve_batch=False)
+        x_w = broadcast(self._window(name, x), self._X, self._W)
         if self.P_w.active:
             x_w = self._local(x_w)
-        return sum_reduce(x_w, self._W, self._Y, preserve_batch=False)
+        return sum_reduce(x_w, self._W, self._Y)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's partial sum: its input block convolved with its weight block (plus bias)."""

@@ -166,7 +166,8 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Return this worker's block of ``y`` (zero-volume outside ``P_y``)."""
+        """Return this worker's block of ``y``. Outside ``P_y`` it is zero-volume and, as DistDL's, keeps the batch
+        extent of the block this worker sent or multiplied, ``(batch, 0)`` (so ``y.view(y.size(0), -1)`` works)."""
         name = "DistributedLinear"
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
@@ -180,10 +181,10 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
             if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
                 raise TypeError(f"{name}: expected an input of the parameters' dtype {self.weight.dtype}, got "
                                 f"{x.dtype} on worker {self.P_x._root.rank}")
-        x_w = broadcast(x, self.P_x, self.P_w, preserve_batch=False)
+        x_w = broadcast(x, self.P_x, self.P_w)
         if self.P_w.active:
             x_w = torch.nn.functional.linear(x_w, self.weight, self.bias)
-        return sum_reduce(x_w, self.P_w, self.P_y, transpose_dest=True, preserve_batch=False)
+        return sum_reduce(x_w, self.P_w, self.P_y, transpose_dest=True)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
