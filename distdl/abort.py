@@ -17,13 +17,14 @@ with :func:`uninstall`. Not covered: ``sys.exit(n)`` on one rank is not an excep
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import Any
 
 from mpi4py import MPI
+
+from distdl.utilities.settings import flag
 
 __all__ = ["install", "uninstall", "installed"]
 
@@ -53,7 +54,7 @@ def installed() -> bool:
 
 def install_from_environment() -> None:
     """Install the hooks unless ``DISTDL_ABORT_ON_ERROR`` turns them off (called on import)."""
-    if os.environ.get("DISTDL_ABORT_ON_ERROR", "1").strip().lower() not in ("0", "false", "no", "off"):
+    if flag("DISTDL_ABORT_ON_ERROR") is not False:
         install()
 
 

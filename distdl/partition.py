@@ -48,14 +48,45 @@ def free_released() -> None:
     """Free the communicators of partitions the garbage collector has collected (called where MPI may be called:
     when partitions are made and counted)."""
     global _live_communicators
-    while _released:
-        try:
-            comm = _released.pop()
-        except IndexError:  # emptied meanwhile by another thread (backward on a device's)
-            return
-        _live_communicators -= 1
-        if not MPI.Is_finalized():
-            comm.Free()
+    for queue in (_released_private, _released):
+        while queue:
+            try:
+                comm = queue.pop()
+            except IndexError:  # emptied meanwhile by another thread (backward on a device's)
+                break
+            if queue is _released:
+                _live_communicators -= 1
+            if not MPI.Is_finalized():
+                comm.Free()
+
+
+def _forget_private(comm: MPI.Comm, keyval: int, private: MPI.Comm) -> None:
+    _released_private.append(private)  # the user freed ``comm``; no MPI call here (see _released)
+
+
+def _private(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """Return distdl's duplicate of the user's ``comm`` (made once, collectively, and kept as an attribute of
+    ``comm``): distdl's point-to-point messages never meet the user's own on ``comm``, whatever their tags."""
+    global _PRIVATE
+    if _PRIVATE is None:  # made at first use: importing distdl must not call MPI (not yet initialised)
+        _PRIVATE = MPI.Comm.Create_keyval(delete_fn=_forget_private)
+    private = comm.Get_attr(_PRIVATE)
+    if private is None:
+        private = comm.Dup()
+        comm.Set_attr(_PRIVATE, private)
+    return private
+
+
+_PRIVATE: int | None = None
+_released_private: list[MPI.Comm] = []  # duplicates of user communicators the user has freed (not counted as live)
+
+
+def _check_initialized(where: str) -> None:
+    """Raise RuntimeError outside MPI's lifetime (MPICH would end the process with its own message)."""
+    if MPI.Is_finalized() or not MPI.Is_initialized():
+        raise RuntimeError(f"{where}: MPI is {'finalized' if MPI.Is_finalized() else 'not initialised'}; distdl's "
+                           "partitions work between MPI's initialisation (importing mpi4py's MPI module, or "
+                           "MPI.Init_thread with mpi4py.rc.initialize = False) and MPI.Finalize()")
 
 
 def _as_int_tuple(values: Iterable[Any], what: str, where: str) -> tuple[int, ...]:
@@ -80,17 +111,31 @@ class MPIPartition:
     """A set of workers (MPI ranks), optionally arranged as a Cartesian grid.
 
     ``MPIPartition(comm)`` wraps ``comm`` (default ``MPI.COMM_WORLD``) as a root partition of
-    shape ``(comm.size,)``; every other partition is derived from a root with the
-    ``create_*`` methods, which every worker of the root may call (SPMD). A worker outside a
-    partition is *inactive* there: its ``comm`` is ``MPI.COMM_NULL``, ``rank`` is -1 and
-    ``index`` is ``None``, while ``shape``, ``dim`` and ``size`` still describe the partition.
+    shape ``(comm.size,)`` (``comm.dims`` for a Cartesian communicator). It works on its own duplicate of
+    ``comm``, made collectively by the first ``MPIPartition(comm)`` and kept while ``comm`` lives, so
+    distdl's messages never meet the program's own on ``comm``. Every partition's ``comm`` is
+    distdl's: for point-to-point messages of your own, use a duplicate of it.
+
+    Every other partition is derived from a root with the ``create_*`` methods, which every worker
+    of the root may call (SPMD). A worker outside a partition is *inactive* there: its ``comm`` is
+    ``MPI.COMM_NULL``, ``rank`` is -1 and ``index`` is ``None``, while ``shape``, ``dim`` and ``size``
+    still describe the partition.
     """
 
     def __init__(self, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+        _check_initialized("MPIPartition")
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"MPIPartition: expected an mpi4py intracommunicator, got {type(comm).__name__}")
         if comm == MPI.COMM_NULL:
             raise ValueError("MPIPartition: expected an active communicator, got MPI.COMM_NULL")
+        if comm.Is_inter():
+            raise TypeError("MPIPartition: expected an intracommunicator, got an intercommunicator (use its "
+                            "Merge() to make one)")
+        if type(comm) is MPI.Comm:  # a plain handle of an intracommunicator
+            comm = MPI.Intracomm(comm)
         shape = tuple(comm.dims) if isinstance(comm, MPI.Cartcomm) else (comm.size,)
-        self._init(comm, tuple(range(comm.size)), shape, comm, owned=False)
+        private = _private(comm)
+        self._init(private, tuple(range(comm.size)), shape, private, owned=False)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -416,6 +461,7 @@ class MPIPartition:
 
     def _check_live(self, where: str) -> None:
         """Raise ValueError if this partition was freed (its members would pass for inactive workers)."""
+        _check_initialized(where)
         if self._freed:
             raise ValueError(f"{where}: the partition of shape {self.shape} was freed (free(), or the end of its "
                              "`with` block) and cannot be used; build a new one")

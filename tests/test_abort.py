@@ -93,6 +93,38 @@ def test_opt_out_on_import(tmp_path):
     assert result.stdout.strip() == "False True True", result.stderr
 
 
+@pytest.mark.parametrize("name", ["DISTDL_CHECK", "DISTDL_ABORT_ON_ERROR", "DISTDL_CUDA_AWARE_MPI"])
+def test_on_off_settings_are_understood_or_refused(tmp_path, name):
+    """An on/off setting takes 1/0, true/false, yes/no or on/off; anything else raises naming the variable (a typo
+    turned check mode on, or left the abort hook on, without a word)."""
+    code = "import distdl\nfrom distdl.backends import cuda\nprint(distdl.check_mode(), distdl.abort.installed(), " \
+           "cuda.cuda_aware())"
+    for off in ("0", "Off"):  # check mode off, the hook installed unless turned off, CUDA-aware off or probed
+        result = _python(code, tmp_path, **{name: off})
+        check, hook, aware = result.stdout.split()
+        assert (check, hook) == ("False", str(name != "DISTDL_ABORT_ON_ERROR")), result.stderr
+        assert aware == "False" or name != "DISTDL_CUDA_AWARE_MPI"
+    result = _python(code, tmp_path, **{name: "garbage"})
+    assert result.returncode != 0 and f"ValueError: {name}: expected 1 or 0" in result.stderr, result.stderr
+
+
+def test_mpi_outside_its_lifetime_is_named(tmp_path):
+    """distdl imports without initialising MPI (a program may call MPI.Init_thread itself), and a partition made
+    before MPI.Init_thread or after MPI.Finalize raises RuntimeError instead of MPICH ending the process."""
+    code = ("import mpi4py\nmpi4py.rc.initialize = False\nimport torch, distdl\nfrom mpi4py import MPI\n"
+            "from distdl.functional import all_sum_reduce\n"
+            "def attempt():\n    try:\n        distdl.MPIPartition()\n    except RuntimeError as error:\n"
+            "        print(error)\n"
+            "attempt()\nMPI.Init_thread(MPI.THREAD_SERIALIZED)\n"
+            "print(all_sum_reduce(torch.ones(2), distdl.MPIPartition(), axes_reduce=(0,)).tolist())\n"
+            "MPI.Finalize()\nattempt()")
+    result = _python(code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("MPIPartition: MPI is not initialised") and lines[1] == "[1.0, 1.0]"
+    assert lines[2].startswith("MPIPartition: MPI is finalized")
+
+
 def test_hook_prints_the_traceback_and_spares_a_single_rank(capsys):
     try:
         raise ValueError("boom")

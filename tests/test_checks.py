@@ -42,13 +42,13 @@ def test_agreement_passes_on_partitions_and_communicators(P_world, comm):
             for axes in [(0,), tuple(range(len(shape)))]:
                 fibre = P.create_subpartition(axes)
                 verify("all_sum_reduce", fibre, torch.zeros(3, 4))
-        verify("all_sum_reduce", comm, torch.zeros(2, dtype=torch.int64))
+        verify("all_sum_reduce", P_world.comm, torch.zeros(2, dtype=torch.int64))
         # The caller decides what must agree: here shapes may differ, dtypes may not.
         verify("broadcast", P_world, torch.zeros(comm.rank + 1), agree=("dtype", "device", "dim"))
         verify("halo_exchange", P_world, agree={"halo_shape": [[1, 1], [2, 2]], "axes": (0,)})
         verify("no_facts", P_world)
         # Every call advanced this communicator's call number in step.
-        assert checks._next_sequence(comm) == 4 + len(partition_shapes(comm.size))  # each partition built checked
+        assert checks._next_sequence(P_world.comm) == 4 + len(partition_shapes(comm.size))  # each partition built checked
 
 
 @sizes(2, 3, 4)
@@ -61,6 +61,20 @@ def test_shape_disagreement(P_world, comm):
     assert str(info.value) == f"all_sum_reduce: ranks disagree on shape: {_clause(groups)}"
     assert info.value.differences == {"shape": groups} and info.value.where == "all_sum_reduce"
     assert isinstance(info.value, RuntimeError)
+
+
+@sizes(2, 3)
+def test_settings_disagreement(P_world, comm, monkeypatch):
+    """Ranks that read other values of a setting by which they choose a collective's messages (here one that
+    turns distdl's pairwise sums off) are named at their first checked call (they waited for ever)."""
+    read = checks._SETTINGS["DISTDL_PAIRWISE_SUM_BYTES"]
+    other = "0" if read != "0" else "1"
+    if comm.rank == 1:
+        monkeypatch.setitem(checks._SETTINGS, "DISTDL_PAIRWISE_SUM_BYTES", other)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        verify("all_sum_reduce", P_world, torch.zeros(2))
+    groups = {read: [r for r in range(comm.size) if r != 1], other: [1]}
+    assert str(info.value) == f"all_sum_reduce: ranks disagree on DISTDL_PAIRWISE_SUM_BYTES: {_clause(groups)}"
 
 
 @sizes(2, 3)
@@ -87,7 +101,7 @@ def test_sequence_disagreement(P_world, comm):
     with checking():
         verify("all_sum_reduce", P_world, torch.zeros(2))
         if comm.rank == 1:
-            checks._next_sequence(comm)  # as if rank 1 had made a call on this communicator its peers skipped
+            checks._next_sequence(P_world.comm)  # as if rank 1 had made a call on this communicator its peers skipped
         with pytest.raises(CollectiveMismatchError) as info:
             verify("all_sum_reduce", P_world, torch.zeros(2))
     groups = {1: [r for r in range(comm.size) if r != 1], 2: [1]}

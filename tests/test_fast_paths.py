@@ -219,6 +219,7 @@ def test_crowded_is_agreed_and_kept_on_the_communicator(comm):
 
     from mpi4py import MPI
     dup = comm.Dup()
+    transport.crowded(MPI.COMM_SELF)  # makes the attribute's key
     assert dup.Get_attr(transport._CROWDED) is None
     crowded = transport.crowded(dup)
     assert len(set(comm.allgather(crowded))) == 1

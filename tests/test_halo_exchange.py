@@ -5,6 +5,7 @@ import importlib
 import numpy as np
 import pytest
 import torch
+from mpi4py import MPI
 
 from distdl.functional.halo_exchange import halo_exchange, halo_exchange_adjoint
 from distdl.nn.halo_exchange import HaloExchange
@@ -84,6 +85,22 @@ def test_untouched_ghosts_keep_their_values(P_world, comm):
     x_global = _global([8])
     x = _padded_input(x_global, start, stop, halo, fill=100 + comm.rank)
     y = halo_exchange(x, P_world, halo, recv, send)
+    _assert_equal(y, _expected(x, x_global, start, stop, halo, recv))
+
+
+@sizes(2, 3)
+def test_messages_of_the_program_never_meet_distdls(P_world, comm):
+    """The root partition works on its own duplicate of the program's communicator: a receive the program posted
+    on it for any source and tag takes the program's own message, not a halo (which then went astray)."""
+    got = np.zeros(1)
+    pending = comm.Irecv(got, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    start, stop, halo, recv, send = _layout(P_world, [8], [(2, 1)], pad=True)
+    x_global = _global([8])
+    x = _padded_input(x_global, start, stop, halo)
+    y = halo_exchange(x, P_world, halo, recv, send)
+    comm.Send(np.array([1000.0 + comm.rank]), dest=(comm.rank + 1) % comm.size, tag=0x4841)
+    pending.Wait()
+    assert got[0] == 1000.0 + (comm.rank - 1) % comm.size
     _assert_equal(y, _expected(x, x_global, start, stop, halo, recv))
 
 

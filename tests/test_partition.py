@@ -13,7 +13,7 @@ from helpers import sizes
 
 @sizes(1, 2, 3, 4)
 def test_root_partition(P_world, comm):
-    assert P_world.active and P_world.comm is comm
+    assert P_world.active and MPI.Comm.Compare(P_world.comm, comm) == MPI.CONGRUENT  # distdl's own duplicate
     assert (P_world.rank, P_world.size, P_world.shape, P_world.dim) == (comm.rank, comm.size, (comm.size,), 1)
     assert P_world.index == (comm.rank,)
     assert P_world.root_ranks == tuple(range(comm.size))
@@ -224,6 +224,16 @@ def test_errors_are_raised_on_every_rank_before_communicating(P_world, comm):
         P_world.create_partition_union(MPIPartition(MPI.COMM_SELF))
     with pytest.raises(ValueError, match="got MPI.COMM_NULL"):
         MPIPartition(MPI.COMM_NULL)
+    for other in (None, comm.Get_group()):
+        with pytest.raises(TypeError, match="MPIPartition: expected an mpi4py intracommunicator, got"):
+            MPIPartition(other)
+    if n > 1:  # the two halves of the world, joined by an intercommunicator
+        half = comm.Split(comm.rank % 2)
+        inter = half.Create_intercomm(0, comm, 1 - comm.rank % 2)
+        with pytest.raises(TypeError, match=r"got an intercommunicator \(use its Merge\(\) to make one\)"):
+            MPIPartition(inter)
+        inter.Free()
+        half.Free()
     # After all of that the partition still works on every rank.
     assert P_world.comm.allreduce(1) == n
 

@@ -28,6 +28,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from mpi4py import MPI
 
+from distdl.utilities.settings import flag
 from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged", "needs_staging"]
@@ -55,9 +56,9 @@ def cuda_aware() -> bool:
     """Return whether CUDA tensors go to MPI directly (decided once: environment, else probe)."""
     global _mode
     if _mode is None:
-        setting = os.environ.get("DISTDL_CUDA_AWARE_MPI", "").strip()
-        if setting in ("0", "1"):
-            _mode = setting == "1"
+        setting = flag("DISTDL_CUDA_AWARE_MPI")
+        if setting is not None:
+            _mode = setting
         else:
             _mode = _probe()
             if not _mode:

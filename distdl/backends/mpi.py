@@ -130,7 +130,7 @@ _PAIRWISE_TAG = 0x5d1  # point-to-point on the communicator of a collective: cle
 # through its time slice while the rank it waits for cannot run: on 4 ranks over 2 CPUs, Allreduce took
 # 8 ms at 8 B and 64 ms at 64 KiB, Bcast 1 s at 4 MiB, against 4, 4 and 5 ms for the non-blocking calls
 # (benchmarks/README.md). So these three run non-blocking on a crowded communicator.
-_CROWDED = MPI.Comm.Create_keyval()
+_CROWDED: int | None = None  # its keyval, made at first use: importing distdl must not call MPI (not yet initialised)
 _LOCAL_SIZE_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")  # ranks on this node: Hydra, Open MPI
 
 
@@ -140,6 +140,9 @@ def crowded(comm: MPI.Intracomm) -> bool:
     Collective over ``comm`` on the first call: make it only where every member is about to take part
     in a collective on ``comm``. The answer is kept on the communicator (an MPI attribute, freed with it).
     """
+    global _CROWDED
+    if _CROWDED is None:
+        _CROWDED = MPI.Comm.Create_keyval()
     if comm.size == 1:
         return False
     value = comm.Get_attr(_CROWDED)
