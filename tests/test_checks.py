@@ -48,7 +48,8 @@ def test_agreement_passes_on_partitions_and_communicators(P_world, comm):
         verify("halo_exchange", P_world, agree={"halo_shape": [[1, 1], [2, 2]], "axes": (0,)})
         verify("no_facts", P_world)
         # Every call advanced this communicator's call number in step.
-        assert checks._next_sequence(P_world.comm) == 4 + len(partition_shapes(comm.size))  # each partition built checked
+        # (each partition built was checked too)
+        assert checks._next_sequence(P_world.comm) == 4 + len(partition_shapes(comm.size))
 
 
 @sizes(2, 3, 4)
