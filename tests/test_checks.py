@@ -332,3 +332,37 @@ def test_layers_built_differently_are_named(P_world, comm):
     conv = DistributedFeatureConv1d(P, 2, 3, 3, padding=0 if last else 1)
     with checking(), pytest.raises(CollectiveMismatchError, match=r"window_exchange: ranks disagree on windows: "):
         conv(random_tensor((1, 2, 4), seed=comm.rank, dtype=torch.float32))
+
+
+@sizes(2, 3)
+def test_copies_of_parameters_that_differ_are_named(P_world, comm):
+    """A replicated parameter changed on one worker only (DistDL's examples initialise weights on a root worker,
+    which held the only copy there) gave silently wrong results; check mode names it at the next forward, for a
+    layer's copies over its partition and for DataParallel's over its workers."""
+    from distdl.nn import DataParallel, DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather
+    P = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    P_2d = P_world.create_cartesian_topology_partition((comm.size, 1))
+    layers = [(DistributedFeatureConv1d(P, 2, 3, 3, padding=1), "weight", (1, 2, 4)),
+              (DistributedBatchNorm(P, 2), "bias", (2, 2, 4)),
+              (DistributedLinearAllGather(P_2d, 4, 6), "bias", (2, 4))]
+    for layer, name, shape in layers:
+        x = random_tensor(shape, seed=comm.rank, dtype=torch.float32)
+        with checking():
+            layer(x)  # equal copies pass
+            if comm.rank == 0:
+                with torch.no_grad():
+                    getattr(layer, name).add_(1)
+            with pytest.raises(CollectiveMismatchError) as info:
+                layer(x)
+        where = f"{type(layer).__name__} (copies of its parameters)"
+        assert str(info.value).startswith(f"{where}: ranks disagree on the values of {name} (checksum): ")
+        assert "rank 0 has" in str(info.value)
+    model = DataParallel(torch.nn.Linear(3, 2), P_world)
+    with checking():
+        model(torch.ones(1, 3)).sum().backward()
+        if comm.rank == comm.size - 1:
+            with torch.no_grad():
+                model.module.weight.mul_(2)
+        with pytest.raises(CollectiveMismatchError, match=r"DataParallel: ranks disagree on the values of its "
+                                                          r"parameters \(checksum\)"):
+            model(torch.ones(1, 3))

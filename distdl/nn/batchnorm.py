@@ -211,6 +211,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the normalised block of ``x``; zero-volume outside ``P_x``."""
         name = type(self).__name__
+        self._verify_replicas(name)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:

@@ -120,6 +120,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of the convolution; zero-volume outside ``P_x``."""
         name = type(self).__name__
+        self._verify_replicas(name)
         _windows.check_input(name, x, self.P_x, self.in_channels)
         if not self.P_x.active:
             return in_graph(x).clone()  # backward runs here too

@@ -40,7 +40,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.checks import verify
+from distdl.checks import check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_partition
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
@@ -183,7 +183,9 @@ class DataParallel(torch.nn.Module):
         if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
             self._abandon()
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
-            verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
+            # Check mode: names a member that skipped a step (forward or backward), or whose parameters differ.
+            verify("DataParallel", self.P, agree={"the values of its parameters (checksum)": checksum(
+                self.module.parameters())} if check_mode() else None)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._changed[0] = _layout(params) != self._layout
             self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none

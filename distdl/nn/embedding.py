@@ -91,6 +91,7 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of the embeddings of ``x`` (zero-volume outside ``P_x``)."""
         name = "DistributedEmbedding"
+        self._verify_replicas(name)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:

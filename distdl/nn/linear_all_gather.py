@@ -282,6 +282,7 @@ class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of ``y`` over ``P_y`` (zero-volume outside ``P_x``)."""
         name = "DistributedLinearAllGather"
+        self._verify_replicas(name)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:

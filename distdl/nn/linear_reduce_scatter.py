@@ -204,6 +204,7 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of ``y`` over ``P_y`` (zero-volume outside ``P_x``)."""
         name = "DistributedLinearReduceScatter"
+        self._verify_replicas(name)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:

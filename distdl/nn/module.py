@@ -29,7 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from distdl.checks import verify
+from distdl.checks import check_mode, checksum, verify
+from distdl.functional.all_sum_reduce import fibre
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_subshape
 
@@ -95,6 +96,27 @@ class CollectStateMixin:
         tensors = {**self._parameters, **{k: v for k, v in self._buffers.items()
                                           if k not in self._non_persistent_buffers_set}}
         return {name: (t, layouts.get(name) or StateLayout(t.shape)) for name, t in tensors.items() if t is not None}
+
+    def _verify_replicas(self, where: str) -> None:
+        """In check mode, verify that the workers holding copies of a parameter hold equal ones.
+
+        Every worker of the layer's partition holds a copy of its replicated parameters (a feature
+        convolution's kernel, a norm's affine parameters, the blocks of a tensor-parallel layer along its
+        other axes). A parameter changed on some workers only (initialised again under ``if rank == 0``, as
+        DistDL's examples do where a root held the only copy) leaves the copies apart and the results wrong.
+        """
+        if not check_mode():
+            return
+        P = self._state_partition()
+        if not P.active:
+            return
+        sums: dict[tuple[int, ...], dict[str, int]] = {}
+        for name, (t, layout) in self._state_tensors().items():
+            axes = tuple(a for a in range(P.dim) if a not in layout.axes and P.shape[a] > 1)
+            if name in self._parameters and axes:
+                sums.setdefault(axes, {})[f"the values of {name} (checksum)"] = checksum([t])
+        for axes, facts in sums.items():
+            verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=facts)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
