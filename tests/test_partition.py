@@ -252,6 +252,21 @@ def test_free_and_no_leak(P_world, comm):
 
 
 @sizes(1, 2, 3)
+def test_a_root_works_on_its_own_duplicate(P_world, comm):
+    """MPIPartition(comm) duplicates comm once (every root of comm shares it), and frees the duplicate after the
+    program frees comm, at the next partition distdl makes."""
+    mine = comm.Dup()
+    P, again = MPIPartition(mine), MPIPartition(mine)
+    assert P.comm is again.comm and P.comm != mine
+    assert MPI.Comm.Compare(P.comm, mine) == MPI.CONGRUENT
+    private = P.comm
+    mine.Free()
+    assert private != MPI.COMM_NULL  # still usable until distdl's next safe point
+    P_world.create_partition_inclusive([0])
+    assert private == MPI.COMM_NULL
+
+
+@sizes(1, 2, 3)
 def test_copies_share_the_partition(P_world, comm):
     """copy.deepcopy of a layer (an EMA or teacher copy) shares its partitions and copies its parameters; a
     partition cannot be pickled, and says why (deepcopy used to fail on the communicator, unclearly)."""
