@@ -141,6 +141,22 @@ def test_torch_func_transforms_are_refused(P_world, comm):
                 transform()
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.trace is deprecated
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+@sizes(2)
+def test_jit_trace_is_refused(P_world, comm):
+    """The tracer cannot see what MPI writes, so a traced primitive or layer replayed the traced call's result for
+    any later input (silently); every primitive raises instead."""
+    from distdl.nn import DistributedLinearAllGather
+    for name, op in _primitives(P_world, comm.size).items():
+        x = random_tensor((2 * comm.size, 3), seed=comm.rank)
+        with pytest.raises(NotImplementedError, match=rf"{name}: torch.jit.trace is not supported"):
+            torch.jit.trace(op, (x,))
+    layer = DistributedLinearAllGather(P_world.create_cartesian_topology_partition([1, comm.size]), 4, 6)
+    with pytest.raises(NotImplementedError, match=r"all_gather: torch.jit.trace is not supported"):
+        torch.jit.trace(layer, (torch.rand(3, 2),))
+
+
 @sizes(3)
 def test_workers_outside_a_layer_run_backward(P_world, comm):
     """A layer with parameters on workers 0 and 1, fed data that needs no gradient (a first layer): worker 2, outside

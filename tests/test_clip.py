@@ -53,3 +53,21 @@ def test_clip_matches_the_sequential_model(P_world, comm, norm_type):
     replicated = torch.cat([p.detach().flatten() for p in (*model[0].parameters(), *model[1].parameters(),
                                                            *model[3].parameters())])
     assert all(torch.equal(replicated, r) for r in comm.allgather(replicated))  # replicas equal on every worker
+
+
+@sizes(2)
+def test_parametrized_layers_are_refused(P_world, comm):
+    """torch.nn.utils.parametrize moves a layer's weight under new names, whose blocks were taken for replicated
+    copies: the norm left out the other workers' blocks, and a collected state dict held rank 0's block under the
+    global names. Both raise on every worker instead."""
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    layer = DistributedLinearAllGather(P_f, 4, 6, collect_state=True).double()
+    torch.nn.utils.parametrizations.weight_norm(layer, dim=0)
+    layer(random_tensor((3, 2), seed=comm.rank)).sum().backward()
+    expected = r"expected no torch.nn.utils.parametrize parametrization .* got one on ParametrizedDistributedLinear"
+    with pytest.raises(ValueError, match="clip_grad_norm_: " + expected):
+        clip_grad_norm_(layer, 1.0, P_world)
+    with pytest.raises(ValueError, match="state_dict: " + expected):
+        layer.state_dict()
+    with pytest.raises(ValueError, match="load_state_dict: " + expected):
+        layer.load_state_dict({})

@@ -151,7 +151,8 @@ def host_staged(function):
     """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it.
 
     Every primitive's entry: it also refuses forward-mode AD's dual tensors, whose tangent the primitive would
-    drop (a zero derivative, silently), and torch.func's transforms, and runs eagerly under torch.compile.
+    drop (a zero derivative, silently), torch.func's transforms and torch.jit.trace, and runs eagerly under
+    torch.compile.
     """
     name = next(iter(inspect.signature(function).parameters))  # the tensor's, also when passed by keyword
 
@@ -163,6 +164,9 @@ def host_staged(function):
                 is not None:
             raise NotImplementedError(f"{function.__name__}: forward-mode AD (torch.autograd.forward_ad) is not "
                                       "supported; torch.autograd.functional.jvp works (through reverse mode)")
+        if torch._C._is_tracing():  # the tracer cannot see what MPI writes: a trace would replay this call's result
+            raise NotImplementedError(f"{function.__name__}: torch.jit.trace is not supported (it cannot record MPI's "
+                                      "transfers); use the module itself, or torch.compile")
         if torch._C._functorch.maybe_current_level() is not None:  # its tensors are wrappers without memory
             raise NotImplementedError(f"{function.__name__}: torch.func transforms (vmap, grad, vjp, jacrev...) are "
                                       "not supported; use torch.autograd (backward, torch.autograd.grad)")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from distdl.functional._common import check_partition
-from distdl.nn.module import CollectStateMixin, StateLayout
+from distdl.nn.module import CollectStateMixin, StateLayout, check_unparametrized
 from distdl.partition import MPIPartition
 
 __all__ = ["clip_grad_norm_"]
@@ -48,6 +48,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
         raise ValueError(f"{where}: expected a positive norm_type (or math.inf), got {norm_type}")
     if not P.active:
         return torch.zeros((), dtype=torch.float64)
+    for m in module.modules():
+        check_unparametrized(where, m)
     grads, owned, seen = [], [], set()
     for m in module.modules():
         layouts = m._state_layouts() if isinstance(m, CollectStateMixin) else None

@@ -77,6 +77,15 @@ class StateLayout:
         return out
 
 
+def check_unparametrized(where: str, module: torch.nn.Module) -> None:
+    """Raise ValueError for a distdl layer whose parameters torch.nn.utils.parametrize has moved: their blocks'
+    layouts are known by the parameters' names, so the blocks under the new names could not be gathered or
+    counted once (they were taken for replicated copies, silently)."""
+    if isinstance(module, CollectStateMixin) and torch.nn.utils.parametrize.is_parametrized(module):
+        raise ValueError(f"{where}: expected no torch.nn.utils.parametrize parametrization (weight_norm, "
+                         f"spectral_norm...) on a distdl layer's parameters, got one on {type(module).__name__}")
+
+
 class CollectStateMixin:
     """Give an ``nn.Module`` with ``P_x`` and ``collect_state`` attributes a sequential-layer state dict."""
 
@@ -122,6 +131,7 @@ class CollectStateMixin:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not self.collect_state:
             return
+        check_unparametrized("state_dict", self)
         P, tensors = self._state_partition(), self._state_tensors()
         verify("state_dict", P, agree={"prefix": prefix})  # check mode: a member that skipped the call is named
         split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
@@ -140,6 +150,7 @@ class CollectStateMixin:
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         if self.collect_state:
+            check_unparametrized("load_state_dict", self)
             self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
         found = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
