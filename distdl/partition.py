@@ -460,7 +460,8 @@ class MPIPartition:
         self._freed = True
 
     def _check_live(self, where: str) -> None:
-        """Raise ValueError if this partition was freed (its members would pass for inactive workers)."""
+        """Raise RuntimeError outside MPI's lifetime, ValueError if this partition was freed (its members would pass
+        for inactive workers)."""
         _check_initialized(where)
         if self._freed:
             raise ValueError(f"{where}: the partition of shape {self.shape} was freed (free(), or the end of its "
