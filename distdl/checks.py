@@ -40,9 +40,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from distdl.backends import mpi as transport
 from distdl.partition import MPIPartition
-from distdl.utilities.settings import flag
+from distdl.utilities.settings import flag, shared
 
 __all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "announce", "verify", "set_check_mode", "check_mode",
            "checking"]
@@ -53,14 +52,10 @@ def _from_environment() -> bool:
     return bool(flag("DISTDL_CHECK"))
 
 
-_enabled = _from_environment()
+_enabled = shared("DISTDL_CHECK", _from_environment())  # a worker checking alone would wait for its peers' records
 _MAGIC = int.from_bytes(b"distdl", "big")  # a record from anything but verify() shows up as a mismatch
 _RECORD = 4  # magic, sequence number, name hash, facts hash
 _TENSOR_FACTS = ("shape", "dtype", "device")
-# Settings by which each worker chooses the messages of a collective: a worker that read another value waits for
-# messages its peers never send. Part of every check, so check mode names a difference at the first call.
-_SETTINGS = {"DISTDL_PAIRWISE_SUM_BYTES": str(transport.PAIRWISE_SUM_BYTES or 0),
-             "DISTDL_STRIDED_BYTES": str(transport.STRIDED_BYTES or 0)}
 _keyval: int | None = None
 _hashes: dict[str, int] = {}
 _abandoned: list = []  # requests given up on (see _wait)
@@ -148,7 +143,7 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     comm = _communicator(P)
     if comm == MPI.COMM_NULL:
         return
-    facts = {**_facts(x, agree), **_SETTINGS}
+    facts = _facts(x, agree)
     record = np.array([_MAGIC, _next_sequence(comm), _hash(where), _hash(repr(sorted(facts.items())))],
                       dtype=np.int64)
     if comm.Get_size() == 1:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from distdl.utilities import settings
 from distdl.utilities.caches import keep
 
 __all__ = ["MPIPartition", "live_communicators"]
@@ -73,8 +74,31 @@ def _private(comm: MPI.Intracomm) -> MPI.Intracomm:
     private = comm.Get_attr(_PRIVATE)
     if private is None:
         private = comm.Dup()
+        try:
+            _agree_on_settings(private)
+        except ValueError:
+            private.Free()
+            raise
         comm.Set_attr(_PRIVATE, private)
     return private
+
+
+def _agree_on_settings(comm: MPI.Intracomm) -> None:
+    """Raise ValueError on every worker of ``comm`` unless all read the same :data:`settings.SHARED` (collective)."""
+    seen = comm.allgather(settings.SHARED)
+    differing = sorted({name for reading in seen for name in reading if reading.get(name) != seen[0].get(name)})
+    if not differing:
+        return
+    clauses = []
+    for name in differing:
+        groups: dict[str | None, list[int]] = {}
+        for rank, reading in enumerate(seen):
+            groups.setdefault(reading.get(name), []).append(rank)
+        clauses.append(f"{name}: " + "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                                               f"read {value}" for value, ranks in groups.items()))
+    raise ValueError("MPIPartition: the ranks of the communicator read different settings, by which each chooses "
+                     "the messages of its collectives (a rank would wait for messages never sent); set them alike "
+                     "on every rank: " + "; ".join(clauses))
 
 
 _PRIVATE: int | None = None
@@ -113,8 +137,10 @@ class MPIPartition:
     ``MPIPartition(comm)`` wraps ``comm`` (default ``MPI.COMM_WORLD``) as a root partition of
     shape ``(comm.size,)`` (``comm.dims`` for a Cartesian communicator). It works on its own duplicate of
     ``comm``, made collectively by the first ``MPIPartition(comm)`` and kept while ``comm`` lives, so
-    distdl's messages never meet the program's own on ``comm``. Every partition's ``comm`` is
-    distdl's: for point-to-point messages of your own, use a duplicate of it.
+    distdl's messages never meet the program's own on ``comm``; that first call also raises ValueError on
+    every worker unless all read the same settings that shape distdl's collectives (``DISTDL_CHECK``,
+    ``DISTDL_PAIRWISE_SUM_BYTES``, ``DISTDL_STRIDED_BYTES``). Every partition's ``comm`` is distdl's: for
+    point-to-point messages of your own, use a duplicate of it.
 
     Every other partition is derived from a root with the ``create_*`` methods, which every worker
     of the root may call (SPMD). A worker outside a partition is *inactive* there: its ``comm`` is

@@ -65,20 +65,6 @@ def test_shape_disagreement(P_world, comm):
 
 
 @sizes(2, 3)
-def test_settings_disagreement(P_world, comm, monkeypatch):
-    """Ranks that read other values of a setting by which they choose a collective's messages (here one that
-    turns distdl's pairwise sums off) are named at their first checked call (they waited for ever)."""
-    read = checks._SETTINGS["DISTDL_PAIRWISE_SUM_BYTES"]
-    other = "0" if read != "0" else "1"
-    if comm.rank == 1:
-        monkeypatch.setitem(checks._SETTINGS, "DISTDL_PAIRWISE_SUM_BYTES", other)
-    with checking(), pytest.raises(CollectiveMismatchError) as info:
-        verify("all_sum_reduce", P_world, torch.zeros(2))
-    groups = {read: [r for r in range(comm.size) if r != 1], other: [1]}
-    assert str(info.value) == f"all_sum_reduce: ranks disagree on DISTDL_PAIRWISE_SUM_BYTES: {_clause(groups)}"
-
-
-@sizes(2, 3)
 def test_dtype_disagreement(P_world, comm):
     x = torch.zeros(2, 2, dtype=torch.float64 if comm.rank == 0 else torch.float32)
     with checking(), pytest.raises(CollectiveMismatchError) as info:

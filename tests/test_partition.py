@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from distdl import MPIPartition
 from distdl.partition import live_communicators
+from distdl.utilities import settings
 from helpers import sizes
 
 
@@ -264,6 +265,27 @@ def test_a_root_works_on_its_own_duplicate(P_world, comm):
     assert private != MPI.COMM_NULL  # still usable until distdl's next safe point
     P_world.create_partition_inclusive([0])
     assert private == MPI.COMM_NULL
+
+
+@sizes(2, 3)
+def test_settings_read_differently_are_named(comm, monkeypatch):
+    """Ranks that read another value of a setting by which they choose a collective's messages (here one that turns
+    distdl's pairwise sums off) are named on every rank when the root partition is made: they waited for ever in the
+    first large sum."""
+    read = settings.SHARED["DISTDL_PAIRWISE_SUM_BYTES"]
+    other = "0" if read != "0" else "1"
+    mine = comm.Dup()
+    with monkeypatch.context() as patch:
+        if comm.rank == 1:
+            patch.setitem(settings.SHARED, "DISTDL_PAIRWISE_SUM_BYTES", other)
+        with pytest.raises(ValueError) as info:
+            MPIPartition(mine)
+    others = ", ".join(str(r) for r in range(comm.size) if r != 1)
+    assert str(info.value).endswith(f"set them alike on every rank: DISTDL_PAIRWISE_SUM_BYTES: "
+                                    f"rank{'s' if comm.size > 2 else ''} {others} read {read}; rank 1 read {other}")
+    P = MPIPartition(mine)  # read alike now: the refused duplicate was freed, and a new one is made and checked
+    assert MPI.Comm.Compare(P.comm, mine) == MPI.CONGRUENT
+    mine.Free()
 
 
 @sizes(1, 2, 3)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from distdl.backends import cuda
+from distdl.utilities.settings import shared
 
 __all__ = ["buffer", "strided", "reduction_dtype", "empty", "contiguous", "crowded", "bcast", "bcast_in_place",
            "bcast_in_place_all", "allreduce_sum", "InPlaceSum", "reduce_sum", "reduce_scatter_blocks",
@@ -106,10 +107,11 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def _bytes_setting(name: str, default: int) -> int | None:
+    """Return setting ``name`` in bytes (None for never), to be read alike on every worker (see ``shared``)."""
     value = os.environ.get(name, "").strip() or str(default)
     if not value.isdigit():
         raise ValueError(f"{name}: expected a number of bytes (0 for never), got {value!r}")
-    return int(value) or None
+    return shared(name, int(value)) or None
 
 
 # From this many bytes, the sums below run their own reduce-scatter. MPICH's shared-memory
