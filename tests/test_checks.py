@@ -349,6 +349,6 @@ def test_copies_of_parameters_that_differ_are_named(P_world, comm):
         if comm.rank == comm.size - 1:
             with torch.no_grad():
                 model.module.weight.mul_(2)
-        with pytest.raises(CollectiveMismatchError, match=r"DataParallel: ranks disagree on the values of its "
-                                                          r"parameters \(checksum\)"):
+        with pytest.raises(CollectiveMismatchError, match=r"DataParallel \(copies of its parameters\): ranks disagree "
+                                                          r"on the values of its parameters \(checksum\)"):
             model(torch.ones(1, 3))

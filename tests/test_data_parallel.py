@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import torch
 
+from distdl import MPIPartition
 from distdl.backends import mpi as transport
 from distdl.nn import data_parallel
 from distdl.nn.all_sum_reduce import AllSumReduce
+from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
-from distdl.testing import random_tensor
+from distdl.testing import random_tensor, scatter
 from helpers import sizes
 
 TINY_CAP = 1e-5  # megabytes: every parameter gets its own bucket
@@ -170,6 +172,84 @@ def test_hybrid_model_and_data_parallel(P_world, comm):
         if sync == "function":
             all_reduce_gradients(model, P_dp, op="sum")
         torch.testing.assert_close(shard.weight.grad, expected)
+
+
+def _norm_model(norm):
+    """Linear, ``norm``, Linear (float64, weights drawn from fixed seeds)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), norm, torch.nn.Linear(3, 2)).double()
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.copy_(random_tensor(p.shape, seed=700 + k))
+    return model
+
+
+@sizes(2, 3)
+def test_a_batch_norm_over_the_replicas(P_world, comm):
+    """A DistributedBatchNorm over the batch that P splits (torch's SyncBatchNorm inside DDP) sums its parameters'
+    gradients over P itself: they are not summed again (they came out P.size times too large), and with op="avg"
+    they are divided as the buckets are; also when accumulated in no_sync()."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((7, 4), seed=71)
+    blocks = [_rows(7, comm.size, r) for r in range(comm.size)]
+    for op in ("sum", "avg"):
+        reference = _norm_model(torch.nn.BatchNorm1d(3))
+        total = sum(reference(x)[rows].pow(2).sum() for rows in blocks)  # each member's loss on its rows
+        (total / (comm.size if op == "avg" else 1)).backward()
+        expected = [p.grad for p in reference.parameters()]
+        for sync in ("function", "module", "no_sync", "another root"):
+            model, mine = _norm_model(DistributedBatchNorm(P_x, 3)), x[blocks[comm.rank]]
+            if sync == "another root":  # P made from another communicator (ranks reversed) than the norm's partition
+                other = comm.Split(0, comm.size - 1 - comm.rank)
+                wrapped = DataParallel(model, MPIPartition(other), op=op)
+                wrapped(mine).pow(2).sum().backward()
+                del wrapped
+                other.Free()
+            elif sync == "function":
+                model(mine).pow(2).sum().backward()
+                all_reduce_gradients(model, P_world, op=op)
+            elif sync == "module":
+                wrapped = DataParallel(model, P_world, op=op)
+                wrapped(mine).pow(2).sum().backward()
+                assert sum(len(b.params) for b in wrapped._buckets) == 4  # the linear layers' only
+            else:  # the loss in two halves, the first accumulated locally
+                wrapped = DataParallel(model, P_world, op=op)
+                with wrapped.no_sync():
+                    (wrapped(mine).pow(2).sum() / 2).backward()
+                (wrapped(mine).pow(2).sum() / 2).backward()
+            _assert_grads(model, expected)
+
+
+@sizes(4)
+def test_a_batch_norm_over_more_than_the_replicas(P_world, comm):
+    """Batch and length split over a 2 x 2 grid, a batch norm over all four workers, data parallelism over the
+    batch fibre: the norm's gradients are summed over all four by the norm, and not again over the fibre. A norm
+    over a pair of workers that is neither one member of P nor all of them is refused on every member."""
+    P_x = P_world.create_cartesian_topology_partition((2, 1, 2))
+    P_dp = P_x.create_subpartition([0])
+    x = random_tensor((5, 3, 6), seed=73)
+    reference = torch.nn.BatchNorm1d(3).double()
+    with torch.no_grad():
+        reference.weight.copy_(random_tensor((3,), seed=74))
+    (reference(x) ** 2).sum().backward()
+    for op in ("sum", "avg"):
+        norm = DistributedBatchNorm(P_x, 3).double()
+        with torch.no_grad():
+            norm.weight.copy_(random_tensor((3,), seed=74))
+        wrapped = DataParallel(norm, P_dp, op=op)
+        assert wrapped._buckets == []
+        (wrapped(scatter(x, P_x)) ** 2).sum().backward()
+        for p, q in zip(norm.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad / (2 if op == "avg" else 1), rtol=1e-12, atol=1e-12)
+    pair = P_world.create_partition_inclusive([0, 1] if comm.rank < 2 else [2, 3])
+    halves = pair.create_cartesian_topology_partition((2, 1))
+    for sync in ("function", "module"):
+        model = _norm_model(DistributedBatchNorm(halves, 3))
+        with pytest.raises(ValueError, match=r"got 1.weight \(DistributedBatchNorm\) on P rank 0, whose layer sums "
+                                             r"the gradients of its copies over some members of P but not all"):
+            if sync == "function":
+                all_reduce_gradients(model, P_world)
+            else:
+                DataParallel(model, P_world)
 
 
 @sizes(2, 3)
@@ -473,6 +553,59 @@ def test_parameters_changed_after_wrapping(P_world, comm):
         _step(wrapped, x[mine], y[mine])
         _assert_grads(wrapped.module, _grads(_mlp(9, torch.float32).double() if change == "double" else _mlp(9), x, y))
         del wrapped
+
+
+@sizes(2, 3)
+def test_a_layer_added_after_wrapping_starts_alike(P_world, comm):
+    """A head replaced after wrapping, initialised differently on each member: the next forward broadcasts it from
+    rank 0 with the new plan, so the replicas train alike (they drifted apart silently)."""
+    x, y = _batch(7, seed=95)
+    mine = _rows(7, comm.size, comm.rank)
+    wrapped = DataParallel(_mlp(4), P_world, op="sum")
+    wrapped.module[4] = _mlp(40 + comm.rank)[4]  # a new head of the same shape, drawn from another seed on each rank
+    expected = _mlp(4)
+    expected[4] = _mlp(40)[4]
+    _step(wrapped, x[mine], y[mine])
+    _assert_grads(wrapped.module, _grads(expected, x, y))
+    for p, q in zip(wrapped.module.parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+class _Decoder(torch.nn.Module):
+    """An MLP taking 3 features, and a gate added to its output on the rows marked (a data-dependent branch)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.body, self.gate = _mlp(seed), _mlp(seed + 1)[4]
+        self.body[0] = torch.nn.Linear(3, 6).double()
+        with torch.no_grad():
+            for k, p in enumerate(self.body[0].parameters()):
+                p.copy_(random_tensor(p.shape, seed=1000 * seed + 50 + k))
+
+    def forward(self, h, gated):
+        hidden = self.body[:4](h)
+        out = self.body[4](hidden)
+        return out if gated is None else out + torch.where(gated[:, None], self.gate(hidden), 0)
+
+
+@sizes(2, 3)
+def test_two_wrappers_over_the_same_workers(P_world, comm):
+    """An encoder and a decoder wrapped apart (a GAN's two models), the decoder's gate used on rank 0 only: its
+    bucket starts at the end of backward there, and the encoder's first. With one communicator for both wrappers
+    the members posted their sums in different orders, and MPI summed the encoder's gradients with the decoder's."""
+    x, y = _batch(7, seed=97)
+    mine, first = _rows(7, comm.size, comm.rank), _rows(7, comm.size, 0)
+
+    def loss(encoder, decoder, rows, gated):
+        return ((decoder(torch.tanh(encoder(x[rows])), gated) - y[rows]) ** 2).sum()
+
+    gated = torch.ones(first.stop, dtype=torch.bool)  # rank 0's rows
+    encoder, decoder = _mlp(11), _Decoder(12)
+    (loss(encoder, decoder, first, gated) + loss(encoder, decoder, slice(first.stop, 7), None)).backward()
+    wrapped = DataParallel(_mlp(11), P_world, op="sum"), DataParallel(_Decoder(12), P_world, op="sum")
+    loss(*wrapped, mine, gated if comm.rank == 0 else None).backward()
+    for model, reference in zip(wrapped, (encoder, decoder)):
+        _assert_grads(model.module, [p.grad for p in reference.parameters()])
 
 
 @sizes(2, 3)

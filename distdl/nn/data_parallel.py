@@ -11,6 +11,11 @@ reduced where it lies, without the two copies through a flat buffer. Buckets bel
 (``distdl.backends.mpi.InPlaceSum``), where ``op="avg"`` divides only this worker's share.
 float16/bfloat16 gradients are summed in float32.
 
+A distdl layer sums the gradients of the copies of a parameter it holds on several workers. Where those
+workers include every member of ``P`` (a batch norm over the batch that ``P`` splits), that sum is already
+the reduction over ``P``: such parameters are left out of the buckets (with ``op="avg"``, divided by
+``P.size``); where they are this member alone, they are reduced as any parameter; otherwise ValueError.
+
 A parameter without a gradient (``grad is None``) counts as zeros: every bucket also sums one
 presence count per parameter, so every member learns how many members had a gradient.
 If any had one, every member gets the reduced gradient; if none had one, it stays ``None``
@@ -42,6 +47,7 @@ from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_partition
+from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 
@@ -59,8 +65,9 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
                          bucket_cap_mb: float = 25) -> None:
     """Reduce every parameter's ``.grad`` of ``module`` over ``P``, in buckets, in place.
 
-    Blocking. The buckets (and their buffers) are planned on the first call and kept for later
-    calls with the same parameters.
+    Blocking; once per backward (with ``op="avg"``, the gradients a distdl layer already summed over ``P`` are
+    divided by ``P.size`` at each call). The buckets (and their buffers) are planned on the first call and kept
+    for later calls with the same parameters.
 
     Args:
         module: the replica; the members of ``P`` must hold the same parameters (dtypes, shapes, order).
@@ -69,16 +76,21 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
         bucket_cap_mb: the most megabytes of small gradients reduced in one sum.
     Raises:
         TypeError: ``module`` not a ``torch.nn.Module``, ``P`` not a partition, or a sparse gradient.
-        ValueError: a bad ``op`` or ``bucket_cap_mb``, or members of ``P`` holding different parameters.
+        ValueError: a bad ``op`` or ``bucket_cap_mb``, members of ``P`` holding different parameters, or a layer
+            summing the gradients of a parameter's copies over some members of ``P`` but not all.
     """
     where = "all_reduce_gradients"
     params = _validate(where, module, P, op, bucket_cap_mb)
     for p in params:
         _check_dense(where, p)
-    buckets, signature = _cached_plan(where, module, P, params, bucket_cap_mb)
+    summed, partial = _summed_by_layers(module, P)
+    buckets, signature = _cached_plan(where, module, P, [p for p in params if id(p) not in summed], bucket_cap_mb)
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
-    _check_agreement(where, P, signature)
+    _check_agreement(where, P, signature, partial)
+    for p in params if op == "avg" and summed else ():  # their layers summed these over P already
+        if id(p) in summed and p.grad is not None:
+            p.grad.div_(P.size)
     comm = _communicator(P)
     addresses = Counter(b.params[0].grad.data_ptr() for b in buckets if b.solo and b.params[0].grad is not None)
     claimed = {a for a, n in addresses.items() if n > 1}  # a .grad shared by parameters is copied, not summed twice
@@ -117,17 +129,21 @@ class DataParallel(torch.nn.Module):
 
     At construction the parameters (frozen ones too) and buffers are broadcast from rank 0 of ``P`` (one
     broadcast per dtype), and so are the buffers at every forward with grad mode on (``broadcast_buffers``, as
-    torch's DDP: the replicas' batch-norm statistics stay rank 0's). Such a forward is collective over ``P``: it
-    also plans the buckets again where the parameters that take gradients changed since (frozen or unfrozen,
-    converted with ``.double()``, replaced by ``load_state_dict(assign=True)``), on every member alike. During
+    torch's DDP: each replica's batch-norm statistics are rank 0's at the start of such a forward, and its own
+    after it, until the next one). Such a forward is collective over ``P``: it also plans the buckets again where
+    the parameters that take gradients changed since (frozen or unfrozen, converted with ``.double()``, replaced
+    by ``load_state_dict(assign=True)``, a new layer), on every member alike, and then broadcasts the parameters
+    from rank 0 of ``P`` again. During
     backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts
     (buckets start in a fixed order, the same on every member); all of them complete when backward ends, before
     anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`; with ``op="sum"``, a backward that
-    accumulates onto the last reduced gradients raises RuntimeError (it would sum them again). Every member of ``P``
-    must run backward through the module. For parameters on a GPU the hooks run in autograd's
-    thread for the device: ``MPI_THREAD_SERIALIZED`` suffices with CUDA-aware MPI and one device
+    accumulates onto the last reduced gradients would sum them again: it raises RuntimeError where it finds them as
+    the last reduction left them (not after they were changed in place, by clipping say). Every member of ``P``
+    must run a backward through the module that reaches its parameters (a member whose output does not depend on
+    them leaves the others waiting; check mode names it at its next forward). For parameters on a GPU the hooks
+    run in autograd's thread for the device: ``MPI_THREAD_SERIALIZED`` suffices with CUDA-aware MPI and one device
     per rank; staging through the host or several devices per rank need ``MPI_THREAD_MULTIPLE``
     (see the GPU docs).
 
@@ -148,8 +164,7 @@ class DataParallel(torch.nn.Module):
         (self.broadcast_buffers,) = check_flags("DataParallel", broadcast_buffers=broadcast_buffers)
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
         self._divisor = P.size if op == "avg" else 1
-        self._buckets = _plan("DataParallel", params, bucket_cap_mb)
-        self._layout = _layout(params)
+        partial = self._plan_buckets(params)
         self._sync, self._in_flight, self._task = True, False, -1
         self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
         if not P.active or P.size == 1:
@@ -162,20 +177,35 @@ class DataParallel(torch.nn.Module):
             raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got "
                              f"{'one of shape ' + str(taken[0]) if taken else 'one on another member'} that a live "
                              "DataParallel already reduces (drop it first)")
-        self._comm = _communicator(P)
+        # Its own communicator: the reductions of two wrappers over the same workers (a GAN's two models) may start
+        # in another order on each member (a bucket with a parameter unused there starts at the end of backward).
+        self._replicas = P.create_partition_inclusive(range(P.size))
+        self._comm = self._replicas.comm
         states = list(module.parameters()) + list(module.buffers())
-        _check_agreement("DataParallel", P, _signature(self._buckets, states))
+        _check_agreement("DataParallel", P, _signature(self._buckets, states), partial)
         transport.bcast_in_place_all(P.comm, states)
         self._changed = np.zeros(1, dtype=np.int64)
         self._hooks: list = []
         weakref.finalize(self, _remove, self._hooks)  # the hooks go with the wrapper: a dropped one does not reduce
         self._hook(params)
 
+    def _plan_buckets(self, params: list) -> str | None:
+        """Plan the buckets of ``params``, but for those a distdl layer of the module sums over ``P`` already (see
+        :func:`_summed_by_layers`); return the name of one its layer sums over some members of ``P`` only."""
+        summed, partial = _summed_by_layers(self.module, self.P)
+        self._params, self._summed = params, [p for p in params if id(p) in summed]
+        self._buckets = _plan("DataParallel", [p for p in params if id(p) not in summed], self.bucket_cap_mb)
+        self._layout = _layout(params)
+        return partial
+
     def _hook(self, params: list) -> None:
-        """Hook the parameters of the buckets; the hooks hold the wrapper weakly."""
+        """Hook the parameters of the buckets (the hooks hold the wrapper weakly), and with ``op="avg"`` those their
+        layers sum over ``P``: each gradient arriving there is divided by ``P.size``, as a bucket's sum is."""
         me = weakref.ref(self)
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, me, index))
                         for index, bucket in enumerate(self._buckets) for p in bucket.params]
+        if self._divisor > 1:
+            self._hooks += [p.register_hook(functools.partial(torch.div, other=self._divisor)) for p in self._summed]
         for p in params:
             _REDUCING[id(p)] = self
 
@@ -183,29 +213,31 @@ class DataParallel(torch.nn.Module):
         if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
             self._abandon()
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
-            # Check mode: names a member that skipped a step (forward or backward), or whose parameters differ.
-            verify("DataParallel", self.P, agree={"the values of its parameters (checksum)": checksum(
-                self.module.parameters())} if check_mode() else None)
+            verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._changed[0] = _layout(params) != self._layout
             self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
             if self._changed[0]:
                 self._replan(params)
+            if check_mode():  # names a member whose parameters differ
+                verify("DataParallel (copies of its parameters)", self.P,
+                       agree={"the values of its parameters (checksum)": checksum(self.module.parameters())})
             if self.broadcast_buffers:
                 transport.bcast_in_place_all(self.P.comm, self.module.buffers())
         return self.module(*args, **kwargs)
 
     def _replan(self, params: list) -> None:
-        """Plan the buckets of ``params`` again and move the hooks to them (every member does)."""
+        """Plan the buckets of ``params`` again, move the hooks to them and broadcast the parameters from rank 0 of
+        ``P``, as at construction: a parameter added since (a new head) starts alike on every member."""
         _remove(self._hooks)
         self._hooks.clear()
-        for bucket in self._buckets:
-            for p in bucket.params:
-                if _REDUCING.get(id(p)) is self:
-                    del _REDUCING[id(p)]
-        self._buckets = _plan("DataParallel", params, self.bucket_cap_mb)
-        self._layout, self._written = _layout(params), {}
-        _check_agreement("DataParallel", self.P, _signature(self._buckets, []))
+        for p in self._params:
+            if _REDUCING.get(id(p)) is self:
+                del _REDUCING[id(p)]
+        partial = self._plan_buckets(params)
+        self._written = {}
+        _check_agreement("DataParallel", self.P, _signature(self._buckets, []), partial)
+        transport.bcast_in_place_all(self.P.comm, list(self.module.parameters()))
         self._hook(params)
 
     def __deepcopy__(self, memo):
@@ -445,15 +477,67 @@ def _signature(buckets: list[_Bucket], tensors: list[torch.Tensor]) -> int:
     return zlib.crc32(repr(layout).encode())
 
 
-def _check_agreement(where: str, P: MPIPartition, signature: int) -> None:
-    """Raise on every member if the members' layouts differ (MPI would hang or mix data up)."""
-    mine = np.array([signature], dtype=np.int64)
-    everyone = np.empty(P.size, dtype=np.int64)
+def _check_agreement(where: str, P: MPIPartition, signature: int, partial: str | None = None) -> None:
+    """Raise on every member if the members' layouts differ (MPI would hang or mix data up), or if a member found a
+    parameter ``partial`` that its layer sums over some members of ``P`` only (see :func:`_summed_by_layers`)."""
+    mine = np.array([signature, partial is not None], dtype=np.int64)
+    everyone = np.empty((P.size, 2), dtype=np.int64)
     P.comm.Allgather(mine, everyone)
+    found = [int(r) for r in np.flatnonzero(everyone[:, 1])]
+    if found:
+        raise ValueError(f"{where}: expected each parameter's copies on one member of P or on all, got "
+                         f"{partial or 'a parameter'} on P rank {found[0]}, whose layer sums the gradients of its "
+                         "copies over some members of P but not all (they would be summed again); wrap over workers "
+                         "whose layers hold separate copies (the data-parallel fibre)")
+    everyone = everyone[:, 0]
     differ = [int(r) for r in np.flatnonzero(everyone != everyone[0])]
     if differ:
         raise ValueError(f"{where}: expected the same parameters (dtypes, shapes, order) on every worker of P, "
                          f"got a different layout on P ranks {differ} than on P rank 0")
+
+
+def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int], str | None]:
+    """Return the ids of the parameters of ``module`` whose gradients a distdl layer already sums over every member
+    of ``P``, and the name of one it sums over some members but not all (None if none). Local.
+
+    A distdl layer holds a copy of a parameter's block on each worker of a fibre of its partition and sums the
+    copies' gradients over it (the sequential gradient). Where that fibre holds all of ``P`` (a batch norm over
+    the batch that ``P`` splits, as torch's SyncBatchNorm), a sum over ``P`` would count each member's part
+    ``P.size`` times; where it holds this member of ``P`` only (a layer inside each replica), the sum over ``P``
+    is the data-parallel one.
+    """
+    if not P.active or P.size == 1:
+        return set(), None
+    members = frozenset(P.root_ranks)
+    summed, partial = set(), None
+    for prefix, m in module.named_modules():
+        if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
+            continue
+        P_m, layouts = m._state_partition(), m._state_layouts()
+        for name, p in m.named_parameters(recurse=False):
+            copies = members & _copies(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P._root)
+            if copies == members:
+                summed.add(id(p))
+            elif len(copies) > 1:
+                partial = partial or f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
+    return summed, partial
+
+
+def _copies(P: MPIPartition, split: tuple[int | None, ...], root: MPI.Comm) -> frozenset[int]:
+    """Return the ranks in ``root`` of the members of ``P`` that hold copies of this member's block of a tensor split
+    along the partition axes ``split`` (the fibre of the other axes; built once per partition)."""
+    def build() -> list[int]:
+        return [P.root_ranks[r] for r in range(P.size)
+                if all(i == j for a, (i, j) in enumerate(zip(P.cartesian_index(r), P.index)) if a in split)]
+    ranks = P._memo(("data_parallel_copies", split), build)
+    if P._root is root:  # partitions derived from roots of one communicator share its duplicate
+        return frozenset(ranks)
+    mine, theirs = P._root.Get_group(), root.Get_group()
+    try:
+        return frozenset(int(r) for r in MPI.Group.Translate_ranks(mine, ranks, theirs))  # MPI.UNDEFINED outside it
+    finally:
+        mine.Free()
+        theirs.Free()
 
 
 def _communicator(P: MPIPartition) -> MPI.Comm:
