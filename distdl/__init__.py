@@ -10,10 +10,14 @@ Importing distdl writes nothing: it logs through ``logging.getLogger("distdl")``
 import logging
 
 from distdl import abort
-from distdl.backends import info
-from distdl.checks import CollectiveMismatchError, CollectiveTimeoutError, check_mode, checking, set_check_mode
-from distdl.describe import describe
-from distdl.partition import MPIPartition
+
+abort.install_from_environment()  # first: a setting refused below on one rank then ends the job, not just that rank
+
+from distdl.backends import info  # noqa: E402
+from distdl.checks import (CollectiveMismatchError, CollectiveTimeoutError, check_mode, checking,  # noqa: E402
+                           set_check_mode)
+from distdl.describe import describe  # noqa: E402
+from distdl.partition import MPIPartition  # noqa: E402
 
 from distdl import functional, nn, utilities  # noqa: E402  (they use MPIPartition)
 
@@ -23,4 +27,3 @@ __all__ = ["MPIPartition", "CollectiveMismatchError", "CollectiveTimeoutError", 
 __version__ = "0.1.0"
 
 logging.getLogger("distdl").addHandler(logging.NullHandler())
-abort.install_from_environment()

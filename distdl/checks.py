@@ -97,7 +97,7 @@ def _timeout() -> float:
 def set_check_mode(enabled: bool) -> None:
     """Turn check mode on or off on this worker (do the same on every worker)."""
     global _enabled
-    _enabled = bool(enabled)
+    _enabled = shared("DISTDL_CHECK", bool(enabled))  # what the next MPIPartition(comm) compares
 
 
 def check_mode() -> bool:

@@ -142,6 +142,16 @@ def test_a_setting_read_differently_is_named(tmp_path):
     assert result.returncode != 0 and "summed" not in result.stdout, result.stdout + result.stderr
     assert ("DISTDL_PAIRWISE_SUM_BYTES: rank 0 read 0; rank 1 read 131072" in result.stderr
             and "ValueError: MPIPartition: the ranks of the communicator read different settings" in result.stderr)
+    # A value refused on one rank, launched without -m mpi4py: the abort hook is installed before distdl reads
+    # its settings, so the job ends (rank 1 used to wait for ever in its first partition).
+    python = [sys.executable, "-c", code]
+    command = [str(MPIEXEC), "-n", "1", "-env", "DISTDL_STRIDED_BYTES", "1e6", *python, ":", "-n", "1", *python]
+    try:
+        result = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the job hung: {error}")
+    assert result.returncode != 0 and "summed" not in result.stdout, result.stdout + result.stderr
+    assert "ValueError: DISTDL_STRIDED_BYTES: expected a number of bytes (0 for never), got '1e6'" in result.stderr
 
 
 def test_hook_prints_the_traceback_and_spares_a_single_rank(capsys):

@@ -17,6 +17,7 @@ from distdl.backends import mpi as transport
 from distdl.nn import data_parallel
 from distdl.nn.all_sum_reduce import AllSumReduce
 from distdl.nn.batchnorm import DistributedBatchNorm
+from distdl.nn.embedding import DistributedEmbedding
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
@@ -244,12 +245,30 @@ def test_a_batch_norm_over_more_than_the_replicas(P_world, comm):
     halves = pair.create_cartesian_topology_partition((2, 1))
     for sync in ("function", "module"):
         model = _norm_model(DistributedBatchNorm(halves, 3))
-        with pytest.raises(ValueError, match=r"got 1.weight \(DistributedBatchNorm\) on P rank 0, whose layer sums "
-                                             r"the gradients of its copies over some members of P but not all"):
+        with pytest.raises(ValueError, match=r"on P rank 0, 1.weight \(DistributedBatchNorm\) is summed by its "
+                                             r"layer over some members of P but not all"):
             if sync == "function":
                 all_reduce_gradients(model, P_world)
             else:
                 DataParallel(model, P_world)
+
+
+@sizes(2, 3)
+def test_a_tied_parameter_its_layer_sums_is_refused(P_world, comm):
+    """An embedding over the batch that P splits sums its table's gradient over P itself; tied to a head (as GPT-2
+    ties them), the head's part of that gradient would stay each member's own: refused on every member (the
+    replicas' gradients differed, with no error)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    embedding = DistributedEmbedding(P_x, 7, 4).double()
+    head = torch.nn.Linear(4, 7, bias=False).double()
+    head.weight = embedding.weight
+    for sync in ("function", "module"):
+        with pytest.raises(ValueError, match=r"on P rank 0, 0.weight \(DistributedEmbedding\) is summed over P by "
+                                             r"its layer and held by another module too \(tied\)"):
+            if sync == "function":
+                all_reduce_gradients(torch.nn.Sequential(embedding, head), P_world)
+            else:
+                DataParallel(torch.nn.Sequential(embedding, head), P_world)
 
 
 @sizes(2, 3)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from distdl import MPIPartition
+from distdl import MPIPartition, checking
 from distdl.partition import live_communicators
 from distdl.utilities import settings
 from helpers import sizes
@@ -285,6 +285,17 @@ def test_settings_read_differently_are_named(comm, monkeypatch):
                                     f"rank{'s' if comm.size > 2 else ''} {others} read {read}; rank 1 read {other}")
     P = MPIPartition(mine)  # read alike now: the refused duplicate was freed, and a new one is made and checked
     assert MPI.Comm.Compare(P.comm, mine) == MPI.CONGRUENT
+    mine.Free()
+
+
+@sizes(2, 3)
+def test_check_mode_set_alike_is_no_difference(comm, monkeypatch):
+    """MPIPartition(comm) compares the check mode in effect: set alike on every rank by set_check_mode, it agrees
+    though the environment read at import differed (here rank 1's)."""
+    monkeypatch.setitem(settings.SHARED, "DISTDL_CHECK", str(comm.rank == 1))
+    mine = comm.Dup()
+    with checking(False):
+        assert MPI.Comm.Compare(MPIPartition(mine).comm, mine) == MPI.CONGRUENT
     mine.Free()
 
 

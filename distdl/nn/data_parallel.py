@@ -14,7 +14,8 @@ float16/bfloat16 gradients are summed in float32.
 A distdl layer sums the gradients of the copies of a parameter it holds on several workers. Where those
 workers include every member of ``P`` (a batch norm over the batch that ``P`` splits), that sum is already
 the reduction over ``P``: such parameters are left out of the buckets (with ``op="avg"``, divided by
-``P.size``); where they are this member alone, they are reduced as any parameter; otherwise ValueError.
+``P.size``); where they are this member alone, they are reduced as any parameter; otherwise ValueError (and
+for a parameter summed over all of ``P`` that another module holds too: tied).
 
 A parameter without a gradient (``grad is None``) counts as zeros: every bucket also sums one
 presence count per parameter, so every member learns how many members had a gradient.
@@ -76,18 +77,19 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
         bucket_cap_mb: the most megabytes of small gradients reduced in one sum.
     Raises:
         TypeError: ``module`` not a ``torch.nn.Module``, ``P`` not a partition, or a sparse gradient.
-        ValueError: a bad ``op`` or ``bucket_cap_mb``, members of ``P`` holding different parameters, or a layer
-            summing the gradients of a parameter's copies over some members of ``P`` but not all.
+        ValueError: a bad ``op`` or ``bucket_cap_mb``, members of ``P`` holding different parameters, a layer
+            summing the gradients of a parameter's copies over some members of ``P`` but not all, or such a
+            parameter, summed over all of ``P``, held by another module too.
     """
     where = "all_reduce_gradients"
     params = _validate(where, module, P, op, bucket_cap_mb)
     for p in params:
         _check_dense(where, p)
-    summed, partial = _summed_by_layers(module, P)
+    summed, problem = _summed_by_layers(module, P)
     buckets, signature = _cached_plan(where, module, P, [p for p in params if id(p) not in summed], bucket_cap_mb)
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
-    _check_agreement(where, P, signature, partial)
+    _check_agreement(where, P, signature, problem)
     for p in params if op == "avg" and summed else ():  # their layers summed these over P already
         if id(p) in summed and p.grad is not None:
             p.grad.div_(P.size)
@@ -164,7 +166,7 @@ class DataParallel(torch.nn.Module):
         (self.broadcast_buffers,) = check_flags("DataParallel", broadcast_buffers=broadcast_buffers)
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
         self._divisor = P.size if op == "avg" else 1
-        partial = self._plan_buckets(params)
+        problem = self._plan_buckets(params)
         self._sync, self._in_flight, self._task = True, False, -1
         self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
         if not P.active or P.size == 1:
@@ -182,7 +184,7 @@ class DataParallel(torch.nn.Module):
         self._replicas = P.create_partition_inclusive(range(P.size))
         self._comm = self._replicas.comm
         states = list(module.parameters()) + list(module.buffers())
-        _check_agreement("DataParallel", P, _signature(self._buckets, states), partial)
+        _check_agreement("DataParallel", P, _signature(self._buckets, states), problem)
         transport.bcast_in_place_all(P.comm, states)
         self._changed = np.zeros(1, dtype=np.int64)
         self._hooks: list = []
@@ -190,13 +192,13 @@ class DataParallel(torch.nn.Module):
         self._hook(params)
 
     def _plan_buckets(self, params: list) -> str | None:
-        """Plan the buckets of ``params``, but for those a distdl layer of the module sums over ``P`` already (see
-        :func:`_summed_by_layers`); return the name of one its layer sums over some members of ``P`` only."""
-        summed, partial = _summed_by_layers(self.module, self.P)
+        """Plan the buckets of ``params``, but for those a distdl layer of the module sums over ``P`` already; return
+        a problem found with those (see :func:`_summed_by_layers`)."""
+        summed, problem = _summed_by_layers(self.module, self.P)
         self._params, self._summed = params, [p for p in params if id(p) in summed]
         self._buckets = _plan("DataParallel", [p for p in params if id(p) not in summed], self.bucket_cap_mb)
         self._layout = _layout(params)
-        return partial
+        return problem
 
     def _hook(self, params: list) -> None:
         """Hook the parameters of the buckets (the hooks hold the wrapper weakly), and with ``op="avg"`` those their
@@ -234,10 +236,11 @@ class DataParallel(torch.nn.Module):
         for p in self._params:
             if _REDUCING.get(id(p)) is self:
                 del _REDUCING[id(p)]
-        partial = self._plan_buckets(params)
+        problem = self._plan_buckets(params)
         self._written = {}
-        _check_agreement("DataParallel", self.P, _signature(self._buckets, []), partial)
-        transport.bcast_in_place_all(self.P.comm, list(self.module.parameters()))
+        everything = list(self.module.parameters())  # the frozen ones too, as at construction
+        _check_agreement("DataParallel", self.P, _signature(self._buckets, everything), problem)
+        transport.bcast_in_place_all(self.P.comm, everything)
         self._hook(params)
 
     def __deepcopy__(self, memo):
@@ -477,18 +480,15 @@ def _signature(buckets: list[_Bucket], tensors: list[torch.Tensor]) -> int:
     return zlib.crc32(repr(layout).encode())
 
 
-def _check_agreement(where: str, P: MPIPartition, signature: int, partial: str | None = None) -> None:
+def _check_agreement(where: str, P: MPIPartition, signature: int, problem: str | None = None) -> None:
     """Raise on every member if the members' layouts differ (MPI would hang or mix data up), or if a member found a
-    parameter ``partial`` that its layer sums over some members of ``P`` only (see :func:`_summed_by_layers`)."""
-    mine = np.array([signature, partial is not None], dtype=np.int64)
+    ``problem`` with a parameter a layer sums itself (see :func:`_summed_by_layers`)."""
+    mine = np.array([signature, problem is not None], dtype=np.int64)
     everyone = np.empty((P.size, 2), dtype=np.int64)
     P.comm.Allgather(mine, everyone)
     found = [int(r) for r in np.flatnonzero(everyone[:, 1])]
-    if found:
-        raise ValueError(f"{where}: expected each parameter's copies on one member of P or on all, got "
-                         f"{partial or 'a parameter'} on P rank {found[0]}, whose layer sums the gradients of its "
-                         "copies over some members of P but not all (they would be summed again); wrap over workers "
-                         "whose layers hold separate copies (the data-parallel fibre)")
+    if found:  # every member raises, naming what the first member that found a problem found
+        raise ValueError(f"{where}: on P rank {found[0]}, {P.comm.bcast(problem, root=found[0])}")
     everyone = everyone[:, 0]
     differ = [int(r) for r in np.flatnonzero(everyone != everyone[0])]
     if differ:
@@ -498,29 +498,38 @@ def _check_agreement(where: str, P: MPIPartition, signature: int, partial: str |
 
 def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int], str | None]:
     """Return the ids of the parameters of ``module`` whose gradients a distdl layer already sums over every member
-    of ``P``, and the name of one it sums over some members but not all (None if none). Local.
+    of ``P``, and a problem found with one (None if none). Local.
 
     A distdl layer holds a copy of a parameter's block on each worker of a fibre of its partition and sums the
     copies' gradients over it (the sequential gradient). Where that fibre holds all of ``P`` (a batch norm over
     the batch that ``P`` splits, as torch's SyncBatchNorm), a sum over ``P`` would count each member's part
     ``P.size`` times; where it holds this member of ``P`` only (a layer inside each replica), the sum over ``P``
-    is the data-parallel one.
+    is the data-parallel one. A problem: a fibre holding some members of ``P`` but not all, or a parameter summed
+    by its layer that another module holds too (tied: the gradient from the other module's use is not summed).
     """
     if not P.active or P.size == 1:
         return set(), None
     members = frozenset(P.root_ranks)
-    summed, partial = set(), None
+    holders = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
+    summed, problem = set(), None
     for prefix, m in module.named_modules():
         if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
             continue
         P_m, layouts = m._state_partition(), m._state_layouts()
         for name, p in m.named_parameters(recurse=False):
             copies = members & _copies(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P._root)
-            if copies == members:
+            what = f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
+            if copies == members and holders[id(p)] > 1:
+                problem = problem or (f"{what} is summed over P by its layer and held by another module too (tied): "
+                                      "the gradient of the other use would not be summed; untie it, or wrap over "
+                                      "workers whose layers hold separate copies (the data-parallel fibre)")
+            elif copies == members:
                 summed.add(id(p))
             elif len(copies) > 1:
-                partial = partial or f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
-    return summed, partial
+                problem = problem or (f"{what} is summed by its layer over some members of P but not all (they "
+                                      "would be summed again); wrap over workers whose layers hold separate copies "
+                                      "(the data-parallel fibre), or over all that hold one")
+    return summed, problem
 
 
 def _copies(P: MPIPartition, split: tuple[int | None, ...], root: MPI.Comm) -> frozenset[int]:
