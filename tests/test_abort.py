@@ -128,30 +128,27 @@ def test_mpi_outside_its_lifetime_is_named(tmp_path):
 def test_a_setting_read_differently_is_named(tmp_path):
     """One rank of two reads DISTDL_PAIRWISE_SUM_BYTES=0 (no pairwise sums), the other the default: the two used to
     wait for ever in a 1 MiB all_sum_reduce, each for the other's messages; now both name the setting when the
-    partition is made, and the job ends."""
+    partition is made, and the job ends. A value refused on one rank, launched without -m mpi4py, ends the job too:
+    the abort hook is installed before distdl reads its settings (rank 1 used to wait in its first partition)."""
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable} (install the mpich extra: make install)")
     code = ("import torch, distdl\nfrom distdl.functional import all_sum_reduce\n"
             "all_sum_reduce(torch.ones(1 << 18), distdl.MPIPartition(), axes_reduce=(0,))\nprint('summed')")
-    python = [sys.executable, "-m", "mpi4py", "-c", code]
-    command = [str(MPIEXEC), "-n", "1", "-env", "DISTDL_PAIRWISE_SUM_BYTES", "0", *python, ":", "-n", "1", *python]
-    try:
-        result = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=90)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the job hung: {error}")
-    assert result.returncode != 0 and "summed" not in result.stdout, result.stdout + result.stderr
-    assert ("DISTDL_PAIRWISE_SUM_BYTES: rank 0 read 0; rank 1 read 131072" in result.stderr
-            and "ValueError: MPIPartition: the ranks of the communicator read different settings" in result.stderr)
-    # A value refused on one rank, launched without -m mpi4py: the abort hook is installed before distdl reads
-    # its settings, so the job ends (rank 1 used to wait for ever in its first partition).
-    python = [sys.executable, "-c", code]
-    command = [str(MPIEXEC), "-n", "1", "-env", "DISTDL_STRIDED_BYTES", "1e6", *python, ":", "-n", "1", *python]
-    try:
-        result = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True, timeout=90)
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(f"the job hung: {error}")
-    assert result.returncode != 0 and "summed" not in result.stdout, result.stdout + result.stderr
-    assert "ValueError: DISTDL_STRIDED_BYTES: expected a number of bytes (0 for never), got '1e6'" in result.stderr
+    for name, value, module, expected in [
+            ("DISTDL_PAIRWISE_SUM_BYTES", "0", ["-m", "mpi4py"],
+             ["DISTDL_PAIRWISE_SUM_BYTES: rank 0 read 0; rank 1 read 131072",
+              "ValueError: MPIPartition: the ranks of the communicator read different settings"]),
+            ("DISTDL_STRIDED_BYTES", "1e6", [],
+             ["ValueError: DISTDL_STRIDED_BYTES: expected a number of bytes (0 for never), got '1e6'"])]:
+        python = [sys.executable, *module, "-c", code]
+        command = [str(MPIEXEC), "-n", "1", "-env", name, value, *python, ":", "-n", "1", *python]
+        try:
+            result = subprocess.run(command, cwd=tmp_path, env=_environment(), capture_output=True, text=True,
+                                    timeout=90)
+        except subprocess.TimeoutExpired as error:
+            pytest.fail(f"the job hung: {error}")
+        assert result.returncode != 0 and "summed" not in result.stdout, result.stdout + result.stderr
+        assert all(line in result.stderr for line in expected), result.stderr
 
 
 def test_hook_prints_the_traceback_and_spares_a_single_rank(capsys):
