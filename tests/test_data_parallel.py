@@ -251,6 +251,11 @@ def test_a_batch_norm_over_more_than_the_replicas(P_world, comm):
                 all_reduce_gradients(model, P_world)
             else:
                 DataParallel(model, P_world)
+        model[1].requires_grad_(False)  # frozen: not reduced, so where its copies lie does not matter
+        if sync == "function":
+            all_reduce_gradients(model, P_world)
+        else:
+            DataParallel(model, P_world)
 
 
 @sizes(2, 3)

@@ -517,6 +517,8 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
             continue
         P_m, layouts = m._state_partition(), m._state_layouts()
         for name, p in m.named_parameters(recurse=False):
+            if not p.requires_grad:  # not reduced: frozen, its copies need no sum
+                continue
             copies = members & _copies(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P._root)
             what = f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
             if copies == members and holders[id(p)] > 1:
