@@ -85,8 +85,7 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     params = _validate(where, module, P, op, bucket_cap_mb)
     for p in params:
         _check_dense(where, p)
-    summed, problem = _summed_by_layers(module, P)
-    buckets, signature = _cached_plan(where, module, P, [p for p in params if id(p) not in summed], bucket_cap_mb)
+    buckets, signature, summed, problem = _cached_plan(where, module, P, params, bucket_cap_mb)
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
     _check_agreement(where, P, signature, problem)
@@ -111,8 +110,10 @@ def _complete(buckets: list[_Bucket]) -> None:
 
 
 def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: list,
-                 bucket_cap_mb: float) -> tuple[list[_Bucket], int]:
-    """Return the buckets of ``params`` and their signature, kept between calls with the same parameters.
+                 bucket_cap_mb: float) -> tuple[list[_Bucket], int, dict[int, torch.Tensor], str | None]:
+    """Return the buckets of ``params`` but those a distdl layer sums over ``P`` already, their signature, the ids of
+    those left out and a problem found with them (see :func:`_summed_by_layers`), kept between calls with the same
+    parameters.
 
     Checking and planning cost ~3.5 us a parameter, and buckets kept keep their buffers (fresh memory costs a page
     fault per page touched). The plans live as long as ``module`` (and ``P``); the last two per module.
@@ -121,8 +122,10 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
     key = (bucket_cap_mb, _layout(params))
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
     if found is None:
-        buckets = _plan(where, params, bucket_cap_mb)
-        found = keep(plans, key, (buckets, _signature(buckets, [])), 2)
+        ids, problem = _summed_by_layers(module, P)
+        summed = {id(p): p for p in params if id(p) in ids}  # held too, so no other parameter takes their ids
+        buckets = _plan(where, [p for p in params if id(p) not in summed], bucket_cap_mb)
+        found = keep(plans, key, (buckets, _signature(buckets, []), summed, problem), 2)
     return found
 
 
