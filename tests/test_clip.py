@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from distdl.nn import (DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather, DistributedMSELoss,
-                       clip_grad_norm_)
+from distdl.nn import (DataParallel, DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather,
+                       DistributedMSELoss, clip_grad_norm_)
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
 
@@ -53,6 +53,30 @@ def test_clip_matches_the_sequential_model(P_world, comm, norm_type):
     replicated = torch.cat([p.detach().flatten() for p in (*model[0].parameters(), *model[1].parameters(),
                                                            *model[3].parameters())])
     assert all(torch.equal(replicated, r) for r in comm.allgather(replicated))  # replicas equal on every worker
+
+
+@sizes(2, 3)
+def test_clip_with_a_batch_norm_over_the_replicas(P_world, comm):
+    """Data parallelism with a batch norm over the batch it splits (SyncBatchNorm in DDP): one replica is one worker,
+    and each replica counts the norm's parameters (only the norm's rank 0 did: the replicas clipped by different
+    factors and drifted apart)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    P_replica = P_x.create_subpartition([1])  # this worker alone
+    x = random_tensor((7, 4), seed=5)
+    blocks = [slice(r * 7 // comm.size, (r + 1) * 7 // comm.size) for r in range(comm.size)]
+
+    def model(norm):
+        torch.manual_seed(6)
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), norm, torch.nn.Linear(3, 2)).double()
+    sequential = model(torch.nn.BatchNorm1d(3))
+    sum(sequential(x)[rows].square().sum() for rows in blocks).backward()
+    expected = torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.1)
+    replica = DataParallel(model(DistributedBatchNorm(P_x, 3)), P_world, op="sum")
+    replica(x[blocks[comm.rank]]).square().sum().backward()
+    norm = clip_grad_norm_(replica.module, 0.1, P_replica)
+    torch.testing.assert_close(norm, expected.to(norm.dtype), rtol=1e-12, atol=0)
+    for p, q in zip(replica.module.parameters(), sequential.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
 
 
 @sizes(2)

@@ -3,9 +3,9 @@
 ``torch.nn.utils.clip_grad_norm_`` on a worker sees that worker's blocks only: its norm is local, differs
 from worker to worker and is not the sequential model's, so each worker scales by its own factor and the
 replicated parameters (convolution kernels, normalisation parameters, data-parallel replicas) drift apart,
-silently. Here each block of a distdl layer's parameter is counted once, on the one worker that
-``state_dict()`` with ``collect_state`` would take it from (:meth:`~distdl.nn.module.StateLayout.holds`);
-a parameter of any other module is taken as replicated over ``P`` and counted on rank 0 of ``P``.
+silently. Here each block of a distdl layer's parameter is counted once, on the first member of ``P`` that
+holds a copy of it (all of ``P`` may: a batch norm over the batch that data parallelism splits); a parameter
+of any other module is taken as replicated over ``P`` and counted on rank 0 of ``P``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from distdl.functional._common import check_partition
-from distdl.nn.module import CollectStateMixin, StateLayout, check_unparametrized
+from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_unparametrized
 from distdl.partition import MPIPartition
 
 __all__ = ["clip_grad_norm_"]
@@ -48,7 +48,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
         raise ValueError(f"{where}: expected a positive norm_type (or math.inf), got {norm_type}")
     if not P.active:
         return torch.zeros((), dtype=torch.float64)
-    grads, owned, seen = [], [], set()
+    grads, owned, seen, members = [], [], set(), frozenset(P.root_ranks)
     for m in module.modules():  # no communication here: a parametrized layer raises on every member alike
         check_unparametrized(where, m)
         layouts = m._state_layouts() if isinstance(m, CollectStateMixin) else None
@@ -59,9 +59,11 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
             grads.append(p.grad)
             if layouts is None:
                 mine = P.rank == 0
-            else:
+            else:  # the first member of P holding a copy of this block (all of P where a layer sums over it)
                 P_m = m._state_partition()
-                mine = P_m.active and (layouts.get(name) or StateLayout(p.shape)).holds(P_m.index)
+                held = P_m.active and members & block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes,
+                                                              P._root)
+                mine = bool(held) and min(held) == P.root_ranks[P.rank]
             if mine:
                 owned.append(p.grad.detach().double().abs())
     if norm_type == math.inf:

@@ -48,7 +48,7 @@ from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_partition
-from distdl.nn.module import CollectStateMixin, StateLayout
+from distdl.nn.module import CollectStateMixin, StateLayout, block_holders
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 
@@ -522,7 +522,7 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
         for name, p in m.named_parameters(recurse=False):
             if not p.requires_grad:  # not reduced: frozen, its copies need no sum
                 continue
-            copies = members & _copies(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P._root)
+            copies = members & block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P._root)
             what = f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
             if copies == members and holders[id(p)] > 1:
                 problem = problem or (f"{what} is summed over P by its layer and held by another module too (tied): "
@@ -535,23 +535,6 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
                                       "would be summed again); wrap over workers whose layers hold separate copies "
                                       "(the data-parallel fibre), or over all that hold one")
     return summed, problem
-
-
-def _copies(P: MPIPartition, split: tuple[int | None, ...], root: MPI.Comm) -> frozenset[int]:
-    """Return the ranks in ``root`` of the members of ``P`` that hold copies of this member's block of a tensor split
-    along the partition axes ``split`` (the fibre of the other axes; built once per partition)."""
-    def build() -> list[int]:
-        return [P.root_ranks[r] for r in range(P.size)
-                if all(i == j for a, (i, j) in enumerate(zip(P.cartesian_index(r), P.index)) if a in split)]
-    ranks = P._memo(("data_parallel_copies", split), build)
-    if P._root is root:  # partitions derived from roots of one communicator share its duplicate
-        return frozenset(ranks)
-    mine, theirs = P._root.Get_group(), root.Get_group()
-    try:
-        return frozenset(int(r) for r in MPI.Group.Translate_ranks(mine, ranks, theirs))  # MPI.UNDEFINED outside it
-    finally:
-        mine.Free()
-        theirs.Free()
 
 
 def _communicator(P: MPIPartition) -> MPI.Comm:

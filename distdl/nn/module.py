@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from mpi4py import MPI
 
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional.all_sum_reduce import fibre
@@ -84,6 +85,23 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
     if isinstance(module, CollectStateMixin) and torch.nn.utils.parametrize.is_parametrized(module):
         raise ValueError(f"{where}: expected no torch.nn.utils.parametrize parametrization (weight_norm, "
                          f"spectral_norm...) on a distdl layer's parameters, got one on {type(module).__name__}")
+
+
+def block_holders(P: MPIPartition, split: tuple[int | None, ...], root: MPI.Comm) -> frozenset[int]:
+    """Return the ranks in ``root`` of the members of ``P`` that hold copies of this member's block of a tensor split
+    along the partition axes ``split`` (the fibre of the other axes; built once per partition)."""
+    def build() -> list[int]:
+        return [P.root_ranks[r] for r in range(P.size)
+                if all(i == j for a, (i, j) in enumerate(zip(P.cartesian_index(r), P.index)) if a in split)]
+    ranks = P._memo(("block_holders", split), build)
+    if P._root is root:  # partitions derived from roots of one communicator share its duplicate
+        return frozenset(ranks)
+    mine, theirs = P._root.Get_group(), root.Get_group()
+    try:
+        return frozenset(int(r) for r in MPI.Group.Translate_ranks(mine, ranks, theirs))  # MPI.UNDEFINED outside it
+    finally:
+        mine.Free()
+        theirs.Free()
 
 
 class CollectStateMixin:
