@@ -267,13 +267,21 @@ def test_a_tied_parameter_its_layer_sums_is_refused(P_world, comm):
     embedding = DistributedEmbedding(P_x, 7, 4).double()
     head = torch.nn.Linear(4, 7, bias=False).double()
     head.weight = embedding.weight
+    tied = r"on P rank 0, 0.weight \(DistributedEmbedding\) is summed over P by its layer and held by another " \
+           r"module too \(tied\)"
     for sync in ("function", "module"):
-        with pytest.raises(ValueError, match=r"on P rank 0, 0.weight \(DistributedEmbedding\) is summed over P by "
-                                             r"its layer and held by another module too \(tied\)"):
+        with pytest.raises(ValueError, match=tied):
             if sync == "function":
                 all_reduce_gradients(torch.nn.Sequential(embedding, head), P_world)
             else:
                 DataParallel(torch.nn.Sequential(embedding, head), P_world)
+    # Tied after wrapping: refused at the next forward, and at every one after (it used to go on unhooked).
+    untied = torch.nn.Linear(4, 7, bias=False).double()
+    wrapped = DataParallel(torch.nn.Sequential(embedding, untied), P_world)
+    untied.weight = embedding.weight
+    for _ in range(2):
+        with pytest.raises(ValueError, match=tied):
+            wrapped(torch.zeros(2, 3, dtype=torch.int64))
 
 
 @sizes(2, 3)

@@ -242,7 +242,11 @@ class DataParallel(torch.nn.Module):
         problem = self._plan_buckets(params)
         self._written = {}
         everything = list(self.module.parameters())  # the frozen ones too, as at construction
-        _check_agreement("DataParallel", self.P, _signature(self._buckets, everything), problem)
+        try:
+            _check_agreement("DataParallel", self.P, _signature(self._buckets, everything), problem)
+        except ValueError:
+            self._layout = None  # unhooked: plan (and raise) again at the next forward, rather than not reduce
+            raise
         transport.bcast_in_place_all(self.P.comm, everything)
         self._hook(params)
 
