@@ -89,13 +89,13 @@ def _agree_on_settings(comm: MPI.Intracomm) -> None:
     differing = sorted({name for reading in seen for name in reading if reading.get(name) != seen[0].get(name)})
     if not differing:
         return
+    from distdl.checks import _ranks  # checks imports this module
     clauses = []
     for name in differing:
         groups: dict[str | None, list[int]] = {}
         for rank, reading in enumerate(seen):
             groups.setdefault(reading.get(name), []).append(rank)
-        clauses.append(f"{name}: " + "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-                                               f"read {value}" for value, ranks in groups.items()))
+        clauses.append(f"{name}: " + "; ".join(f"{_ranks(ranks)} read {value}" for value, ranks in groups.items()))
     raise ValueError("MPIPartition: the ranks of the communicator read different settings, by which each chooses "
                      "the messages of its collectives (a rank would wait for messages never sent); set them alike "
                      "on every rank: " + "; ".join(clauses))

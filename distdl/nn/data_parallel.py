@@ -89,8 +89,8 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
     _check_agreement(where, P, signature, problem)
-    for p in params if op == "avg" and summed else ():  # their layers summed these over P already
-        if id(p) in summed and p.grad is not None:
+    for p in summed.values() if op == "avg" else ():  # their layers summed these over P already
+        if p.grad is not None:
             p.grad.div_(P.size)
     comm = _communicator(P)
     addresses = Counter(b.params[0].grad.data_ptr() for b in buckets if b.solo and b.params[0].grad is not None)
@@ -122,11 +122,18 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
     key = (bucket_cap_mb, _layout(params))
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
     if found is None:
-        ids, problem = _summed_by_layers(module, P)
-        summed = {id(p): p for p in params if id(p) in ids}  # held too, so no other parameter takes their ids
-        buckets = _plan(where, [p for p in params if id(p) not in summed], bucket_cap_mb)
+        buckets, summed, problem = _plan_reduced(where, module, P, params, bucket_cap_mb)
         found = keep(plans, key, (buckets, _signature(buckets, []), summed, problem), 2)
     return found
+
+
+def _plan_reduced(where: str, module: torch.nn.Module, P: MPIPartition, params: list,
+                  bucket_cap_mb: float) -> tuple[list[_Bucket], dict[int, torch.Tensor], str | None]:
+    """Return the buckets of ``params`` but those a distdl layer of ``module`` sums over ``P`` already, those by id,
+    and a problem found with them (see :func:`_summed_by_layers`)."""
+    ids, problem = _summed_by_layers(module, P)
+    summed = {id(p): p for p in params if id(p) in ids}  # held, so no other parameter takes their ids while kept
+    return _plan(where, [p for p in params if id(p) not in summed], bucket_cap_mb), summed, problem
 
 
 class DataParallel(torch.nn.Module):
@@ -197,10 +204,8 @@ class DataParallel(torch.nn.Module):
     def _plan_buckets(self, params: list) -> str | None:
         """Plan the buckets of ``params``, but for those a distdl layer of the module sums over ``P`` already; return
         a problem found with those (see :func:`_summed_by_layers`)."""
-        summed, problem = _summed_by_layers(self.module, self.P)
-        self._params, self._summed = params, [p for p in params if id(p) in summed]
-        self._buckets = _plan("DataParallel", [p for p in params if id(p) not in summed], self.bucket_cap_mb)
-        self._layout = _layout(params)
+        self._buckets, summed, problem = _plan_reduced("DataParallel", self.module, self.P, params, self.bucket_cap_mb)
+        self._params, self._summed, self._layout = params, list(summed.values()), _layout(params)
         return problem
 
     def _hook(self, params: list) -> None:
