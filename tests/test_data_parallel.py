@@ -18,6 +18,7 @@ from distdl.nn import data_parallel
 from distdl.nn.all_sum_reduce import AllSumReduce
 from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.nn.embedding import DistributedEmbedding
+from distdl.nn.loss import DistributedMSELoss
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
@@ -122,6 +123,24 @@ def test_avg_equals_full_batch_mean(P_world, comm):
     wrapped = DataParallel(_mlp(1), P_world, bucket_cap_mb=TINY_CAP)
     _step(wrapped, x[rows], y[rows], mean=True)
     _assert_grads(wrapped, expected)
+
+
+@sizes(1, 2, 3, 4)
+def test_a_distdl_loss_takes_op_sum(P_world, comm):
+    """distdl's losses are the whole batch's on every member: op="sum" gives the sequential gradient (uneven
+    shards too), op="avg" that divided by P.size."""
+    n = 7  # uneven at 2, 3 and 4 ranks
+    x, y = _batch(n, seed=7)
+    model = _mlp(2)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    expected = [p.grad for p in model.parameters()]
+    P_out = P_world.create_cartesian_topology_partition((comm.size, 1))
+    loss = DistributedMSELoss(P_out)
+    rows = _rows(n, comm.size, comm.rank)
+    for op, scale in (("sum", 1), ("avg", comm.size)):
+        wrapped = DataParallel(_mlp(2), P_world, op=op)
+        loss(wrapped(x[rows]), y[rows]).backward()
+        _assert_grads(wrapped, [g / scale for g in expected])
 
 
 @sizes(4)

@@ -198,6 +198,14 @@ def test_errors_are_raised_on_every_rank_before_communicating(P_world, comm):
     n = comm.size
     with pytest.raises(ValueError, match=rf"create_cartesian_topology_partition: expected a shape .* size {n}, got \[{n}, 2\]"):
         P_world.create_cartesian_topology_partition([n, 2])
+    with pytest.raises(ValueError, match=rf"got \[{n}, 2\] \(launch {2 * n} ranks for it: mpiexec -n {2 * n}\)$"):
+        P_world.create_cartesian_topology_partition([n, 2])
+    if n > 1:
+        with pytest.raises(ValueError, match=rf"got \[{n}\]$"):  # more than these workers, no more than all
+            P_world.create_partition_inclusive(range(n - 1)).create_cartesian_topology_partition([n])
+        with pytest.raises(ValueError, match=r"got \[1, 1\] \(to use 1 of its workers, take them first: "
+                                             r"create_partition_inclusive\(range\(1\)\)\)$"):
+            P_world.create_cartesian_topology_partition([1, 1])
     with pytest.raises(ValueError, match=r"create_partition_inclusive: expected ranks in \[0, \d\), got \[-1\]"):
         P_world.create_partition_inclusive([0, -1])
     with pytest.raises(ValueError, match=rf"got \[{n}\]"):
