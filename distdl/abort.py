@@ -5,7 +5,9 @@ collective. Importing distdl installs hooks for uncaught exceptions in the main 
 (``sys.excepthook``) and in other threads (``threading.excepthook``). Each hook first runs the
 hook it replaced (which prints the traceback), flushes stdout and stderr, says on stderr that it
 is aborting, and then, when the world has more than one rank, calls ``MPI.COMM_WORLD.Abort(1)``:
-the MPI launcher ends every rank and the job exits non-zero. This works for
+the MPI launcher ends every rank and the job exits non-zero. Only the rank's own process aborts: a child it
+forked (a ``DataLoader`` worker, ``os.fork()``) inherits the hooks, but an exception there just prints its
+traceback, as in Python. This works for
 ``mpiexec -n N python script.py`` as well as for ``python -m mpi4py script.py``. A single-rank run, an interactive session, and a program that
 has already finalised MPI are left alone.
 
@@ -17,6 +19,7 @@ with :func:`uninstall`. Not covered: ``sys.exit(n)`` on one rank is not an excep
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -29,6 +32,7 @@ from distdl.utilities.settings import flag
 __all__ = ["install", "uninstall", "installed"]
 
 _previous: dict[str, Any] = {}
+_PID = os.getpid()  # the rank's own process: a forked child (a DataLoader worker, os.fork) never aborts the job
 
 
 def install() -> None:
@@ -84,7 +88,7 @@ def _abort(what: str) -> None:
             stream.flush()
         except Exception:  # a closed or replaced stream must not stop the abort
             pass
-    if hasattr(sys, "ps1") or not MPI.Is_initialized() or MPI.Is_finalized():
+    if os.getpid() != _PID or hasattr(sys, "ps1") or not MPI.Is_initialized() or MPI.Is_finalized():
         return
     world = MPI.COMM_WORLD
     if world.Get_size() <= 1:

@@ -188,6 +188,16 @@ def test_job_without_error_exits_cleanly():
     assert "aborting" not in result.stderr
 
 
+def test_a_forked_child_never_aborts_the_job():
+    """An uncaught exception in a thread of a forked child (a DataLoader worker's helper thread) prints its
+    traceback there and leaves the job alone: the hook inherited through fork used to abort every rank."""
+    result = _launch("--child-thread")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "RuntimeError: rank 1 failed on purpose" in output and "aborting" not in output
+    assert "rank 0 finished" in result.stdout and "rank 1 finished" in result.stdout
+
+
 def test_a_skipped_backward_ends_the_job_in_check_mode():
     """Rank 1 skips a DataParallel backward: rank 0 waits in its reduction for ever; in check mode rank 1's next
     forward gives up waiting for rank 0 to check it, and the abort hook ends the job."""

@@ -3,8 +3,10 @@
 Launched by tests/test_abort.py as ``mpiexec -n 2 python tests/scripts/raise_on_one_rank.py``:
 with distdl's abort hook the job ends at once with the traceback shown and a non-zero exit;
 without it rank 0 would wait in its receive forever. ``--no-raise``: every rank finishes.
+``--child-thread``: a thread of a child that rank 1 forks raises; the job goes on and every rank finishes.
 """
 
+import os
 import sys
 import threading
 import time
@@ -20,7 +22,17 @@ def fail():
     raise RuntimeError(f"rank {comm.rank} failed on purpose")
 
 
-if comm.rank == 1 and "--no-raise" not in sys.argv:
+if "--child-thread" in sys.argv:  # a forked child of rank 1 (as a DataLoader worker) has a thread that raises
+    if comm.rank == 1:
+        pid = os.fork()
+        if pid == 0:
+            thread = threading.Thread(target=fail, name="child-worker")
+            thread.start()
+            thread.join()
+            os._exit(0)  # as multiprocessing's children leave: the rank's MPI is not the child's to finalise
+        os.waitpid(pid, 0)
+    comm.barrier()
+elif comm.rank == 1 and "--no-raise" not in sys.argv:
     if "--thread" in sys.argv:
         thread = threading.Thread(target=fail, name="worker")
         thread.start()
