@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 from distdl import MPIPartition
 from distdl.checks import checking
+from distdl.functional._messages import INLINE_BYTES
 from distdl.functional.broadcast import broadcast
 from distdl.nn.broadcast import Broadcast
 from distdl.partition import live_communicators
@@ -94,7 +95,7 @@ def plain_and_recorded_grads(op, x, comm):
     return grads
 
 
-# Blocks that ride inline in the header round and blocks above its 1 KiB; float16/bfloat16 sum in float32.
+# Blocks that ride inline in the forward's header round and blocks above its 1 KiB; float16/bfloat16 sum in float32.
 BACKWARD_BLOCKS = [((2, 3), torch.float64), ((3, 100), torch.float64), ((3, 300), torch.float16),
                    ((2, 300), torch.bfloat16)]
 
@@ -106,7 +107,12 @@ def test_plain_backward_matches_recorded_adjoint(P_world, comm):
             x = random_tensor(shape, seed=comm.rank).to(dtype) if P_x.active else torch.zeros(shape[0], 0, dtype=dtype)
             op = lambda t: broadcast(t, P_x, P_y, ts, td, preserve_batch)  # noqa: E731
             plain, recorded = plain_and_recorded_grads(op, x, comm)
-            assert plain.shape == x.shape and torch.equal(plain, recorded), (name, shape, dtype, comm.rank)
+            assert plain.shape == x.shape, (name, shape, dtype, comm.rank)
+            if x.nbytes <= INLINE_BYTES:  # the recorded adjoint sums the blocks that rode in its header round in
+                # rank order, the plain one with MPI's reduction: from 3 workers up the rounding may differ
+                torch.testing.assert_close(plain, recorded, rtol=1e-13, atol=1e-13, msg=str((name, comm.rank)))
+            else:
+                assert torch.equal(plain, recorded), (name, shape, dtype, comm.rank)
         x = random_tensor((3, 100), seed=comm.rank) if P_x.active else torch.zeros(3, 0, dtype=torch.float64)
         assert_adjoint(lambda t: broadcast(t, P_x, P_y, ts, td), x, comm, adjoint_of_adjoint=False)
 

@@ -163,8 +163,3 @@ def remembered(P, key, messages, derive):
 def carries_payload(messages, dtype: torch.dtype, shape) -> bool:
     """Whether the allgathered ``messages`` (one row per member) carry the data of ``dtype`` and ``shape``."""
     return messages.shape[-1] == MESSAGE_LENGTH and inline(dtype, shape)
-
-
-def rides_inline(dtype: torch.dtype, shape, group_size: int) -> bool:
-    """Whether a header round in a group of ``group_size`` would carry the data of ``dtype`` and ``shape``."""
-    return message_length(group_size) == MESSAGE_LENGTH and inline(dtype, shape)

@@ -17,7 +17,7 @@ in neither                  passes and gets a zero-volume tensor
 Receivers learn dtype and shape from a small header broadcast first, so the same layer works
 when the block shape changes between calls; blocks of up to 1 KiB travel inside the header, in
 one broadcast. As the adjoint of :func:`~distdl.functional.sum_reduce.sum_reduce` in a backward,
-receivers already know what arrives and the header round runs only where the block rides in it.
+receivers already know what arrives and no header round runs.
 A worker that sends in one group and receives in another posts both broadcasts non-blocking, so
 no order of groups can deadlock. A root that feeds itself makes its copy of ``x`` while its group
 reads ``x`` (a non-blocking data round, from ``OVERLAP_BYTES``).
@@ -165,16 +165,16 @@ def broadcast_plan(P_src: MPIPartition, P_dest: MPIPartition, transpose_src: boo
 
 def _broadcast(x, preserve_batch, plan, incoming=None):
     """Return this worker's block under ``plan`` (:class:`Groups`); ``incoming`` is the dtype and shape it
-    receives when known (in a backward: then the header round runs only in groups whose block rides in it),
-    None to learn them."""
+    receives when known on every worker (in a backward: then no header round runs), None to learn them."""
     P_send, P_recv, blocking = plan.P_send, plan.P_recv, plan.blocking
     feeds_itself = P_recv.active and P_recv is P_send
     sending = P_send.active and P_send.comm.size > 1
     receiving = P_recv.active and not feeds_itself
-    # Header round: every receiver learns what arrives; up to INLINE_BYTES of data ride along. Where
-    # the structure is known, every member of a group decides alike from the block's dtype and shape.
-    send_header = sending and (incoming is None or inline(x.dtype, x.shape))
-    recv_header = receiving and (incoming is None or inline(*incoming))
+    # Header round: every receiver learns what arrives; up to INLINE_BYTES of data ride along. Where the
+    # structure is known, the data alone travel: even at 8 B a broadcast of them costs less than one of a
+    # message, which adds packing and unpacking.
+    send_header = sending and incoming is None
+    recv_header = receiving and incoming is None
     outgoing = encode_message("broadcast", x) if send_header else None
     message = empty_message() if recv_header else None
     if blocking:  # this worker is in one group only (see blocking_allowed)
@@ -189,13 +189,13 @@ def _broadcast(x, preserve_batch, plan, incoming=None):
         MPI.Request.Waitall(requests)
     if receiving:
         dtype, shape = decode(message) if recv_header else incoming
-        small = inline(dtype, shape)
+        small = recv_header and inline(dtype, shape)
         y = inline_payload(message, dtype, shape, x.device) if small else transport.empty(shape, dtype, x.device)
     # Data round for larger blocks, straight from and into tensor memory, blocking where the plan allows
     # (see blocking_allowed) unless the group's root copies x for itself (see Groups.copying): then from
     # OVERLAP_BYTES the round is non-blocking and the copy is made while the group reads x.
     data = []
-    if sending and not inline(x.dtype, x.shape):
+    if sending and not (send_header and inline(x.dtype, x.shape)):
         data.append((P_send.comm, transport.contiguous(x)))  # keep a reference until the wait
     if receiving and not small:
         data.append((P_recv.comm, y))

@@ -18,7 +18,7 @@ Each group first allgathers a small header, so the receiver learns dtype and sha
 when sources disagree every member of the group raises instead of posting mismatched reductions.
 In groups of up to 8 workers, blocks of up to 1 KiB travel with the headers and the receiver sums
 them (one collective). As the adjoint of :func:`~distdl.functional.broadcast.broadcast` in a
-backward, the blocks already agree and the header round runs only where they ride in it.
+backward, the blocks already agree and no header round runs.
 Workers in two groups post both non-blocking. float16/bfloat16 are summed in float32; bool cannot
 be summed.
 """
@@ -34,7 +34,7 @@ from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like, header_of, in_graph,
                                        load_anchor, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
-                                         remembered, rides_inline, sum_payloads)
+                                         remembered, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
 from distdl.functional.repartition import union
 from distdl.checks import announce, check_mode, verify
@@ -114,15 +114,16 @@ def _structure(P: MPIPartition, messages: np.ndarray) -> tuple[torch.dtype, tupl
 
 
 def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
-    """Return this worker's sum; ``summed`` is the dtype and shape of the blocks summed onto it when known
-    (in a backward: then the header round runs only in groups whose blocks ride in it), None to exchange them."""
+    """Return this worker's sum; ``summed`` is the dtype and shape of the blocks summed onto it when known on
+    every worker (in a backward: then no header round runs), None to exchange them."""
     sources_itself = P_recv.active and P_recv is P_send
     if sources_itself and P_recv.comm.size == 1:
         return x.clone()
     # Header round: in each of its groups this worker allgathers every member's header, so every
     # member raises alike when sources disagree and the receiver learns what arrives. In groups of
     # up to INLINE_GROUP workers, blocks of up to INLINE_BYTES ride along and the receiver sums them.
-    # Where the blocks' dtype and shape are known, every member of a group decides alike from them.
+    # Where the blocks' dtype and shape are known, the data alone travel: even at 8 B a reduction of them
+    # costs less than an allgather of the messages, which adds packing and summing here.
     groups = []  # (partition, whether this worker is its receiver, its blocks' dtype and shape where known)
     if P_send.active and not sources_itself:
         groups.append((P_send, False, None if summed is None else (x.dtype, x.shape)))
@@ -130,8 +131,8 @@ def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
         groups.append((P_recv, True, summed))
     gathered, requests = [], []
     for P, receiver, known in groups:
-        if known is not None and not rides_inline(*known, P.comm.size):
-            gathered.append(None)  # nothing to learn and no data to carry
+        if known is not None:
+            gathered.append(None)  # nothing to learn
             continue
         mine = encode_message("sum_reduce", x) if not receiver or sources_itself else empty_message()
         length = message_length(P.comm.size)
