@@ -112,17 +112,22 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 
 def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Tensor],
                                   sequential: Callable[[torch.Tensor], torch.Tensor], x_global: torch.Tensor,
-                                  P_x: MPIPartition, P_y: MPIPartition, seed: int = 0, rtol: float = 1e-7,
-                                  atol: float = 1e-9) -> tuple[torch.Tensor, torch.Tensor]:
+                                  P_x: MPIPartition, P_y: MPIPartition, seed: int = 0, rtol: float | None = None,
+                                  atol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Assert that ``distributed`` on the blocks of ``x_global`` equals ``sequential`` on the whole.
 
     Every worker holds ``x_global``; inputs are scattered over ``P_x``, outputs compared with the
     blocks of the sequential output over ``P_y``, then a global random cotangent (whose blocks
     differ per worker) is pulled back and input gradients compared. A difference on any worker raises
     AssertionError on every worker of the root partition (before the backward, for the forward), so no
-    worker is left waiting in a collective. Returns this worker's ``(x_local, y_local)`` for further
-    checks (parameter gradients).
+    worker is left waiting in a collective. Parameter gradients are NOT compared: both operators' parameters
+    hold theirs (from the same cotangent) on return, for the caller to compare. Returns this worker's
+    ``(x_local, y_local)``. ``rtol``/``atol`` default to 1e-7/1e-9 for float64 and complex128 inputs, and to
+    :func:`torch.testing.assert_close`'s defaults for the dtype otherwise.
     """
+    if x_global.dtype in (torch.float64, torch.complex128) or rtol is not None or atol is not None:
+        rtol, atol = (1e-7 if rtol is None else rtol), (1e-9 if atol is None else atol)
+    # else both None: torch.testing.assert_close's tolerances for the dtype
     x_ref = x_global.detach().clone().requires_grad_()
     y_ref = sequential(x_ref)
     x_local = scatter(x_global.detach(), P_x).requires_grad_()
@@ -148,7 +153,7 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     return x_local, y_local
 
 
-def _difference(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float, atol: float,
+def _difference(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float | None, atol: float | None,
                 what: str) -> str | None:
     """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close."""
     try:

@@ -91,7 +91,9 @@ def _primitives(P_world, n):
             "broadcast": lambda t: F.broadcast(t if P_0.active else t[:0], P_0, P),
             "sum_reduce": lambda t: F.sum_reduce(t, P, P_0),
             "repartition": lambda t: F.repartition(t if P_0.active else t[:0], P_0, P),
-            "halo_exchange": lambda t: F.halo_exchange(t, P, widths, widths, widths)}
+            "halo_exchange": lambda t: F.halo_exchange(t, P, widths, widths, widths),
+            "all_sum_reduce_forward": lambda t: F.all_sum_reduce_forward(t, P, axes_reduce=[0]),
+            "all_sum_reduce_backward": lambda t: F.all_sum_reduce_backward(t, P, axes_reduce=[0])}
 
 
 @sizes(2, 3)

@@ -129,6 +129,23 @@ def test_a_skipped_backward_is_named(P_world, comm):
 
 
 @sizes(2, 3)
+def test_a_skipped_backward_through_the_invariant_pair_is_named(P_world, comm):
+    """all_sum_reduce_backward sums in its backward: a rank that skips that backward and sums forward is named (its
+    sum used to be recorded as a forward all_sum_reduce: the ranks summed each other's tensors, silently)."""
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    w = torch.rand(3, requires_grad=True)
+    with checking():
+        y = distdl.functional.all_sum_reduce_backward(w, P, axes_reduce=(0,))
+        with pytest.raises(CollectiveMismatchError) as info:
+            if comm.rank == 0:
+                y.backward(torch.ones(3))
+            else:
+                distdl.functional.all_sum_reduce(torch.rand(3), P, axes_reduce=(0,))
+    groups = {"all_sum_reduce_backward (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
+    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+
+
+@sizes(2, 3)
 def test_a_call_that_fails_its_checks_on_one_worker(P_world, comm):
     """Worker 1's input fails the local checks (a bool sum, a tensor of another dimension): it still takes part in
     the call's check, so every worker raises, and the next call pairs with the next call (it used to pair with the
@@ -141,7 +158,8 @@ def test_a_call_that_fails_its_checks_on_one_worker(P_world, comm):
              "reduce_scatter": lambda t: F.reduce_scatter(t, P, axes_reduce_scatter=(0,)),
              "all_gather": lambda t: F.all_gather(t, P, axes_all_gather=(0,)),
              "sum_reduce": lambda t: F.sum_reduce(t, P, P_0),
-             "halo_exchange_adjoint": lambda t: F.halo_exchange_adjoint(t, P, widths, widths, widths)}
+             "halo_exchange_adjoint": lambda t: F.halo_exchange_adjoint(t, P, widths, widths, widths),
+             "all_sum_reduce_forward": lambda t: F.all_sum_reduce_forward(t, P, axes_reduce=(0,))}
     bad = {"all_gather": torch.ones(3, 1)}  # the others: bool, which cannot be summed
     for name, call in calls.items():
         good = torch.full((3 * comm.size,), float(comm.rank + 1))

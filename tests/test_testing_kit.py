@@ -52,6 +52,23 @@ def test_a_difference_on_one_worker_fails_on_every_worker(P_world, comm, wrong):
     assert_sequential_equivalence(op, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)  # and the right one
 
 
+@sizes(2, 3)
+def test_float32_is_compared_at_its_own_precision(P_world, comm):
+    """A column sum of row blocks adds in another order than torch: float32 rounds apart, beyond float64's
+    tolerances, and passes; a gradient 1e-3 off still fails."""
+    from distdl.functional.all_sum_reduce import all_sum_reduce
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+
+    def column_sum(x, backward=lambda g: g):
+        y = all_sum_reduce(_Backward.apply(x, backward).sum(0, keepdim=True), P_x, axes_reduce=(0,))
+        return y if comm.rank == 0 else y[:0]  # the (1, m) sum is rank 0's block of P_x
+    x = random_tensor((3 * comm.size, 256), seed=4, dtype=torch.float32)
+    assert_sequential_equivalence(column_sum, lambda x: x.sum(0, keepdim=True), x, P_x, P_x)
+    with pytest.raises(AssertionError, match="input gradient differs"):
+        assert_sequential_equivalence(lambda x: column_sum(x, _one_element_off), lambda x: x.sum(0, keepdim=True),
+                                      x, P_x, P_x)
+
+
 @sizes(1, 2)
 def test_complex_random_tensors_and_cotangents(P_world, comm):
     z = random_tensor((64,), seed=3, dtype=torch.complex128)

@@ -147,6 +147,21 @@ class _ToDevice(torch.autograd.Function):
         return _ToHost.apply(grad, False), None
 
 
+def refuse_unsupported(where: str, x: object) -> None:
+    """Raise NotImplementedError for a forward-mode dual ``x`` (its tangent would be dropped: a zero derivative,
+    silently), inside torch.jit.trace, and inside torch.func's transforms; for every primitive's entry."""
+    if forward_ad._current_level >= 0 and isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent \
+            is not None:
+        raise NotImplementedError(f"{where}: forward-mode AD (torch.autograd.forward_ad) is not "
+                                  "supported; torch.autograd.functional.jvp works (through reverse mode)")
+    if torch._C._is_tracing():  # the tracer cannot see what MPI writes: a trace would replay this call's result
+        raise NotImplementedError(f"{where}: torch.jit.trace is not supported (it cannot record MPI's "
+                                  "transfers); use the module itself, or torch.compile")
+    if torch._C._functorch.maybe_current_level() is not None:  # its tensors are wrappers without memory
+        raise NotImplementedError(f"{where}: torch.func transforms (vmap, grad, vjp, jacrev...) are "
+                                  "not supported; use torch.autograd (backward, torch.autograd.grad)")
+
+
 def host_staged(function):
     """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it.
 
@@ -160,16 +175,7 @@ def host_staged(function):
     @functools.wraps(function)
     def staged(*args, **kwargs):
         x = args[0] if args else kwargs.get(name)
-        if forward_ad._current_level >= 0 and isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent \
-                is not None:
-            raise NotImplementedError(f"{function.__name__}: forward-mode AD (torch.autograd.forward_ad) is not "
-                                      "supported; torch.autograd.functional.jvp works (through reverse mode)")
-        if torch._C._is_tracing():  # the tracer cannot see what MPI writes: a trace would replay this call's result
-            raise NotImplementedError(f"{function.__name__}: torch.jit.trace is not supported (it cannot record MPI's "
-                                      "transfers); use the module itself, or torch.compile")
-        if torch._C._functorch.maybe_current_level() is not None:  # its tensors are wrappers without memory
-            raise NotImplementedError(f"{function.__name__}: torch.func transforms (vmap, grad, vjp, jacrev...) are "
-                                      "not supported; use torch.autograd (backward, torch.autograd.grad)")
+        refuse_unsupported(function.__name__, x)
         if not isinstance(x, torch.Tensor) or not needs_staging(x):
             return function(*args, **kwargs)
         # The primitive never returns an alias of its input, so the pool is free again on return.

@@ -32,7 +32,9 @@ from collections.abc import Iterable
 
 import torch
 
-from distdl.functional.all_sum_reduce import all_sum_reduce, validate
+from distdl.backends.cuda import host_staged, refuse_unsupported
+from distdl.checks import announce
+from distdl.functional.all_sum_reduce import _run, checked_fibre, fibre_plan, validate
 from distdl.functional._common import in_graph, load_anchor, save_anchor
 from distdl.partition import MPIPartition
 from distdl.utilities.torch import eager_when_compiled
@@ -44,30 +46,54 @@ __all__ = ["all_sum_reduce_forward", "all_sum_reduce_backward"]
 def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                            axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return the fibre sum of ``x`` (forward: all-sum-reduce; backward: identity)."""
-    axes = validate("all_sum_reduce_forward", x, P_x, axes_reduce, axes_keep)
-    return _Pair.apply(in_graph(x), all_sum_reduce(x.detach(), P_x, axes), P_x, axes, True)
+    refuse_unsupported("all_sum_reduce_forward", x)
+    where = "all_sum_reduce_forward"
+    try:
+        axes = validate(where, x, P_x, axes_reduce, axes_keep)
+    except (TypeError, ValueError) as error:  # check mode: take part in the sum's check all the same
+        announce(where, lambda: checked_fibre(where, P_x, axes_reduce, axes_keep), error)
+        raise
+    return _pair(x, P_x, axes, True, where)
 
 
 @eager_when_compiled
 def all_sum_reduce_backward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                             axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return a copy of ``x`` (forward: identity; backward: all-sum-reduce of the gradient)."""
+    refuse_unsupported("all_sum_reduce_backward", x)
     axes = validate("all_sum_reduce_backward", x, P_x, axes_reduce, axes_keep)
-    return _Pair.apply(in_graph(x), x.detach().clone(), P_x, axes, False)
+    return _pair(x, P_x, axes, False, "all_sum_reduce_backward")
+
+
+def _pair(x: torch.Tensor, P_x: MPIPartition, axes: tuple[int, ...], reduce_in_forward: bool,
+          where: str) -> torch.Tensor:
+    """Apply one of the pair; check mode records its sum as ``where`` (``... (backward)`` when run by a backward,
+    so that a rank that skipped the backward and calls a sum forward is named)."""
+    y = _summed(x.detach(), P_x, axes, where) if reduce_in_forward else x.detach().clone()
+    return _Pair.apply(in_graph(x), y, P_x, axes, reduce_in_forward, where)
+
+
+@host_staged
+def _summed(x: torch.Tensor, P_x: MPIPartition, axes: tuple[int, ...], where: str) -> torch.Tensor:
+    plan = fibre_plan("all_sum_reduce", x, P_x, axes, None)
+    if plan.P_fibre is None:  # outside P_x: a zero-volume copy
+        return x.clone()
+    with torch.no_grad():
+        return _run(x, plan, where)
 
 
 class _Pair(torch.autograd.Function):
     """Return the precomputed forward value ``y``; backward applies the partner's forward."""
 
     @staticmethod
-    def forward(ctx, x, y, P_x, axes, reduce_in_forward):
+    def forward(ctx, x, y, P_x, axes, reduce_in_forward, where):
         save_anchor(ctx)
-        ctx.P_x, ctx.axes = P_x, axes
+        ctx.P_x, ctx.axes, ctx.where = P_x, axes, where
         ctx.reduce_in_forward = reduce_in_forward
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         load_anchor(ctx)
-        partner = all_sum_reduce_backward if ctx.reduce_in_forward else all_sum_reduce_forward
-        return partner(grad_y, ctx.P_x, axes_reduce=ctx.axes), None, None, None, None
+        where = ctx.where if ctx.where.endswith(" (backward)") else f"{ctx.where} (backward)"
+        return _pair(grad_y, ctx.P_x, ctx.axes, not ctx.reduce_in_forward, where), None, None, None, None, None
