@@ -6,8 +6,8 @@ collective. Importing distdl installs hooks for uncaught exceptions in the main 
 hook it replaced (which prints the traceback), flushes stdout and stderr, says on stderr that it
 is aborting, and then, when the world has more than one rank, calls ``MPI.COMM_WORLD.Abort(1)``:
 the MPI launcher ends every rank and the job exits non-zero. Only the rank's own process aborts: a child it
-forked (a ``DataLoader`` worker, ``os.fork()``) inherits the hooks, but an exception there just prints its
-traceback, as in Python. This works for
+forked after importing distdl (a ``DataLoader`` worker, ``os.fork()``) inherits the hooks, but an exception there
+just prints its traceback (and ends the child, without finalising the rank's MPI, where it is the main thread's). This works for
 ``mpiexec -n N python script.py`` as well as for ``python -m mpi4py script.py``. A single-rank run, an interactive session, and a program that
 has already finalised MPI are left alone.
 
@@ -67,6 +67,9 @@ def _sys_hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> Non
         _previous.get("sys", sys.__excepthook__)(exc_type, exc, tb)
     finally:
         _abort(f"an uncaught {exc_type.__name__}")
+        if os.getpid() != _PID and MPI.Is_initialized() and not MPI.Is_finalized():
+            os._exit(1)  # a forked child: finalising the rank's MPI at exit would hang it (or, under
+            # python -m mpi4py, abort the job)
 
 
 def _thread_hook(args: threading.ExceptHookArgs) -> None:

@@ -268,7 +268,7 @@ class MPIPartition:
         """Return the same workers arranged as a grid of ``shape`` (row-major rank order)."""
         self._check_live("create_cartesian_topology_partition")
         shape = _as_int_tuple(shape, "shape", "create_cartesian_topology_partition")
-        if not shape or any(s < 1 for s in shape) or int(np.prod(shape)) != self.size:
+        if not shape or any(s < 1 for s in shape) or math.prod(shape) != self.size:
             raise ValueError(f"create_cartesian_topology_partition: expected a shape of positive extents "
                              f"whose product is the partition size {self.size}, got {list(shape)}"
                              + self._grid_hint(shape))
@@ -278,7 +278,7 @@ class MPIPartition:
     def _grid_hint(self, shape: tuple[int, ...]) -> str:
         """Say how to get a grid of ``shape`` whose product is not this partition's size, where one of the usual
         two ways does."""
-        n = int(np.prod(shape)) if shape and min(shape) >= 1 else 0
+        n = math.prod(shape) if shape and min(shape) >= 1 else 0
         if 0 < n < self.size:
             return f" (to use {n} of its workers, take them first: create_partition_inclusive(range({n})))"
         if n > self.size and self.size == self._root.size:

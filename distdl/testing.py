@@ -110,6 +110,11 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
         _assert_close("assert_adjoint (adjoint of the adjoint)", comm, backward, double, rtol)
 
 
+# (rtol, atol) when not given: 1e-7/1e-9 for float64 and complex128, torch.testing.assert_close's for the others
+_TOLERANCES = {torch.float64: (1e-7, 1e-9), torch.complex128: (1e-7, 1e-9), torch.float32: (1.3e-6, 1e-5),
+               torch.complex64: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+
+
 def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Tensor],
                                   sequential: Callable[[torch.Tensor], torch.Tensor], x_global: torch.Tensor,
                                   P_x: MPIPartition, P_y: MPIPartition, seed: int = 0, rtol: float | None = None,
@@ -122,12 +127,11 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     AssertionError on every worker of the root partition (before the backward, for the forward), so no
     worker is left waiting in a collective. Parameter gradients are NOT compared: both operators' parameters
     hold theirs (from the same cotangent) on return, for the caller to compare. Returns this worker's
-    ``(x_local, y_local)``. ``rtol``/``atol`` default to 1e-7/1e-9 for float64 and complex128 inputs, and to
-    :func:`torch.testing.assert_close`'s defaults for the dtype otherwise.
+    ``(x_local, y_local)``. ``rtol`` and ``atol``, each where not given, follow ``x_global``'s dtype: 1e-7 and
+    1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for the other dtypes.
     """
-    if x_global.dtype in (torch.float64, torch.complex128) or rtol is not None or atol is not None:
-        rtol, atol = (1e-7 if rtol is None else rtol), (1e-9 if atol is None else atol)
-    # else both None: torch.testing.assert_close's tolerances for the dtype
+    default_rtol, default_atol = _TOLERANCES.get(x_global.dtype, (0.0, 0.0))  # integers: exact
+    rtol, atol = default_rtol if rtol is None else rtol, default_atol if atol is None else atol
     x_ref = x_global.detach().clone().requires_grad_()
     y_ref = sequential(x_ref)
     x_local = scatter(x_global.detach(), P_x).requires_grad_()

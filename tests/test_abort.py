@@ -188,10 +188,13 @@ def test_job_without_error_exits_cleanly():
     assert "aborting" not in result.stderr
 
 
-def test_a_forked_child_never_aborts_the_job():
-    """An uncaught exception in a thread of a forked child (a DataLoader worker's helper thread) prints its
-    traceback there and leaves the job alone: the hook inherited through fork used to abort every rank."""
-    result = _launch("--child-thread")
+@pytest.mark.parametrize("args, module", [(["--child-thread"], False), (["--child"], False), (["--child"], True)],
+                         ids=["thread", "main-thread", "main-thread-python-m-mpi4py"])
+def test_a_forked_child_never_aborts_the_job(args, module):
+    """An uncaught exception in a forked child (a DataLoader worker's helper thread, or the child's main thread)
+    prints its traceback there and leaves the job alone: the hook inherited through fork used to abort every rank,
+    and a child's main thread then hung its rank finalising MPI at exit."""
+    result = _launch(*args, module=module)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "RuntimeError: rank 1 failed on purpose" in output and "aborting" not in output

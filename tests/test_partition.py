@@ -200,6 +200,8 @@ def test_errors_are_raised_on_every_rank_before_communicating(P_world, comm):
         P_world.create_cartesian_topology_partition([n, 2])
     with pytest.raises(ValueError, match=rf"got \[{n}, 2\] \(launch {2 * n} ranks for it: mpiexec -n {2 * n}\)$"):
         P_world.create_cartesian_topology_partition([n, 2])
+    with pytest.raises(ValueError, match=r"got \[5, 7378697629483820647\] \(launch"):  # np.prod would wrap to 3
+        P_world.create_cartesian_topology_partition((5, (2**65 + 3) // 5))
     if n > 1:
         with pytest.raises(ValueError, match=rf"got \[{n}\]$"):  # more than these workers, no more than all
             P_world.create_partition_inclusive(range(n - 1)).create_cartesian_topology_partition([n])

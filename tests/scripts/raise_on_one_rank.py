@@ -3,7 +3,8 @@
 Launched by tests/test_abort.py as ``mpiexec -n 2 python tests/scripts/raise_on_one_rank.py``:
 with distdl's abort hook the job ends at once with the traceback shown and a non-zero exit;
 without it rank 0 would wait in its receive forever. ``--no-raise``: every rank finishes.
-``--child-thread``: a thread of a child that rank 1 forks raises; the job goes on and every rank finishes.
+``--child-thread`` / ``--child``: a thread / the main thread of a child that rank 1 forks raises; the job goes on
+and every rank finishes.
 """
 
 import os
@@ -22,10 +23,12 @@ def fail():
     raise RuntimeError(f"rank {comm.rank} failed on purpose")
 
 
-if "--child-thread" in sys.argv:  # a forked child of rank 1 (as a DataLoader worker) has a thread that raises
+if "--child-thread" in sys.argv or "--child" in sys.argv:  # a forked child of rank 1 (as a DataLoader worker)
     if comm.rank == 1:
         pid = os.fork()
         if pid == 0:
+            if "--child" in sys.argv:
+                fail()
             thread = threading.Thread(target=fail, name="child-worker")
             thread.start()
             thread.join()
