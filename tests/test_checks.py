@@ -322,7 +322,7 @@ def test_partitions_built_differently_are_named(P_world, comm):
 def test_layers_built_differently_are_named(P_world, comm):
     """A loss with another reduction on one worker summed the same three numbers into another loss (silently), or
     ('none') skipped the sum; a convolution with other padding exchanged other windows (raw MPI errors)."""
-    from distdl.nn import DistributedFeatureConv1d, DistributedMSELoss
+    from distdl.nn import DistributedAvgPool1d, DistributedFeatureConv1d, DistributedMaxPool1d, DistributedMSELoss
     last = comm.rank == comm.size - 1
     P = P_world.create_cartesian_topology_partition((comm.size, 1))
     x, y = random_tensor((2, 3), seed=comm.rank), random_tensor((2, 3), seed=comm.rank + 10)
@@ -334,8 +334,36 @@ def test_layers_built_differently_are_named(P_world, comm):
         assert str(info.value) == f"DistributedMSELoss: ranks disagree on reduction: {_clause(groups)}"
     P = P_world.create_cartesian_topology_partition((1, 1, comm.size))
     conv = DistributedFeatureConv1d(P, 2, 3, 3, padding=0 if last else 1)
-    with checking(), pytest.raises(CollectiveMismatchError, match=r"window_exchange: ranks disagree on windows: "):
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedFeatureConv1d: ranks disagree on "
+                                                                  r"geometry: "):
         conv(random_tensor((1, 2, 4), seed=comm.rank, dtype=torch.float32))
+    # Windows inside each worker's block exchange nothing: another kernel, or another layer, went unseen.
+    x = random_tensor((1, 2, 4 * comm.size), seed=comm.rank, dtype=torch.float32)
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedMaxPool1d: ranks disagree on "
+                                                                  r"geometry: "):
+        DistributedMaxPool1d(P, 4 if last else 2)(x)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        (DistributedAvgPool1d if last else DistributedMaxPool1d)(P, 2)(x)
+    groups = {"DistributedMaxPool1d": list(range(comm.size - 1)), "DistributedAvgPool1d": [comm.size - 1]}
+    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+
+
+@sizes(2, 3)
+def test_gradient_calls_made_differently_are_named(P_world, comm):
+    """clip_grad_norm_ with another norm_type or max_norm, and all_reduce_gradients with another op, on one worker
+    scaled the replicas' gradients apart, silently."""
+    from distdl.nn import all_reduce_gradients, clip_grad_norm_
+    last = comm.rank == comm.size - 1
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad, model.bias.grad = torch.ones(2, 3), torch.ones(2)
+    for name, value, other in (("norm_type", 2.0, float("inf")), ("max_norm", 1.0, 2.0)):
+        arguments = {"max_norm": 1.0, "norm_type": 2.0, name: other if last else value}
+        with checking(), pytest.raises(CollectiveMismatchError, match=rf"clip_grad_norm_: ranks disagree on {name}"):
+            clip_grad_norm_(model, P=P_world, **arguments)
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        all_reduce_gradients(model, P_world, op="sum" if last else "avg")
+    groups = {"avg": list(range(comm.size - 1)), "sum": [comm.size - 1]}
+    assert str(info.value) == f"all_reduce_gradients: ranks disagree on op: {_clause(groups)}"
 
 
 @sizes(2, 3)

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import torch
 
+from distdl.checks import verify
 from distdl.functional._common import check_partition
 from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_unparametrized
 from distdl.partition import MPIPartition
@@ -48,6 +49,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
         raise ValueError(f"{where}: expected a positive norm_type (or math.inf), got {norm_type}")
     if not P.active:
         return torch.zeros((), dtype=torch.float64)
+    # check mode: a member with another norm_type or max_norm (or making another call) scales by another factor
+    verify(where, P, agree={"norm_type": repr(norm_type), "max_norm": repr(float(max_norm))})
     grads, owned, seen, members = [], [], set(), frozenset(P.root_ranks)
     for m in module.modules():  # no communication here: a parametrized layer raises on every member alike
         check_unparametrized(where, m)

@@ -88,6 +88,7 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     buckets, signature, summed, problem = _cached_plan(where, module, P, params, bucket_cap_mb)
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
+    verify(where, P, agree={"op": op})  # check mode: a member skipping this (or with another op) is named
     _check_agreement(where, P, signature, problem)
     for p in summed.values() if op == "avg" else ():  # their layers summed these over P already
         if p.grad is not None:
