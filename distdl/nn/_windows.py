@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from distdl.checks import verify
+from distdl.checks import check_mode, verify
 from distdl.functional._common import check_idle_input, check_tensor
 from distdl.functional.window_exchange import window_exchange
 from distdl.partition import MPIPartition
@@ -105,9 +105,9 @@ def fetch(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channe
     Raises:
         ValueError: blocks that do not form a balanced decomposition, or an empty global output.
     """
-    # check mode: a worker making another windowed call (another layer or geometry, or none) would pair its
-    # Allgather with its peers' (silently, where no window is exchanged after it) or with their checks (a hang)
-    verify(where, P_x, x, agree={"geometry": key, "dim": x.dim(), "dtype": x.dtype, "device": x.device})
+    if check_mode():  # a worker making another windowed call (another layer or geometry, or none) would pair its
+        # Allgather with its peers' (silently, where no window is exchanged after it) or with their checks (a hang)
+        verify(where, P_x, x, agree={"geometry": key, "dim": x.dim(), "dtype": x.dtype, "device": x.device})
     facts = np.array((*x.shape, torch.is_grad_enabled() and x.requires_grad), dtype=np.int64).reshape(1, -1)
     if P_x.comm.size > 1:
         mine, facts = facts, np.empty((P_x.comm.size, facts.size), dtype=np.int64)
