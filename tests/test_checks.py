@@ -113,35 +113,21 @@ def test_a_skipped_primitive_is_named_before_any_data_moves(P_world, comm, skipp
 
 
 @sizes(2, 3)
-def test_a_skipped_backward_is_named(P_world, comm):
-    """Rank 0 runs backward (the sum's adjoint, a sum again) while its peers skip it and sum something else."""
+@pytest.mark.parametrize("op", ["all_sum_reduce", "all_sum_reduce_backward"])
+def test_a_skipped_backward_is_named(P_world, comm, op):
+    """Rank 0 runs backward (the sum's adjoint, a sum again; the invariant pair's sum in backward) while its peers
+    skip it and sum something else (the pair's sum used to be recorded as a forward all_sum_reduce: the ranks summed
+    each other's tensors, silently)."""
     P = P_world.create_cartesian_topology_partition((comm.size,))
     x = torch.rand(3, requires_grad=True)
     with checking():
-        y = distdl.functional.all_sum_reduce(x, P, axes_reduce=(0,))
+        y = getattr(distdl.functional, op)(x, P, axes_reduce=(0,))
         with pytest.raises(CollectiveMismatchError) as info:
             if comm.rank == 0:
                 y.backward(torch.ones(3))
             else:
                 distdl.functional.all_sum_reduce(torch.rand(3), P, axes_reduce=(0,))
-    groups = {"all_sum_reduce (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
-    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
-
-
-@sizes(2, 3)
-def test_a_skipped_backward_through_the_invariant_pair_is_named(P_world, comm):
-    """all_sum_reduce_backward sums in its backward: a rank that skips that backward and sums forward is named (its
-    sum used to be recorded as a forward all_sum_reduce: the ranks summed each other's tensors, silently)."""
-    P = P_world.create_cartesian_topology_partition((comm.size,))
-    w = torch.rand(3, requires_grad=True)
-    with checking():
-        y = distdl.functional.all_sum_reduce_backward(w, P, axes_reduce=(0,))
-        with pytest.raises(CollectiveMismatchError) as info:
-            if comm.rank == 0:
-                y.backward(torch.ones(3))
-            else:
-                distdl.functional.all_sum_reduce(torch.rand(3), P, axes_reduce=(0,))
-    groups = {"all_sum_reduce_backward (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
+    groups = {f"{op} (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
     assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
 
 
