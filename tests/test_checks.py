@@ -323,6 +323,9 @@ def test_layers_built_differently_are_named(P_world, comm):
     with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedFeatureConv1d: ranks disagree on "
                                                                   r"geometry: "):
         conv(random_tensor((1, 2, 4), seed=comm.rank, dtype=torch.float32))
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedFeatureConv1d: ranks disagree on "
+                                                                  r"parameters: "):  # a raw MPI error in its bcast
+        DistributedFeatureConv1d(P, 2, 3, 5 if last else 3)
     # Windows inside each worker's block exchange nothing: another kernel, or another layer, went unseen.
     x = random_tensor((1, 2, 4 * comm.size), seed=comm.rank, dtype=torch.float32)
     with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedMaxPool1d: ranks disagree on "

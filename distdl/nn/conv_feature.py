@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from distdl.backends import mpi as transport
+from distdl.checks import check_mode, verify
 from distdl.functional._common import check_flags, check_partition, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
@@ -108,7 +109,10 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
             bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
             torch.nn.init.uniform_(self.bias, -bound, bound)
         if self.P_x.active and self.P_x.size > 1:
-            transport.bcast_in_place_all(self.P_x.comm, [t for t in (self.weight, self.bias) if t is not None])
+            tensors = [t for t in (self.weight, self.bias) if t is not None]
+            if check_mode():  # parameters built otherwise on one worker would broadcast mismatched messages
+                verify(type(self).__name__, self.P_x, agree={"parameters": [(t.shape, t.dtype) for t in tensors]})
+            transport.bcast_in_place_all(self.P_x.comm, tensors)
 
     def _length(self, k: int, n: int) -> int:
         return _windows.sliding_length(n, self.kernel_size[k], self.stride[k], *self._pads[k], self.dilation[k])
