@@ -5,11 +5,11 @@ collective. Importing distdl installs hooks for uncaught exceptions in the main 
 (``sys.excepthook``) and in other threads (``threading.excepthook``). Each hook first runs the
 hook it replaced (which prints the traceback), flushes stdout and stderr, says on stderr that it
 is aborting, and then, when the world has more than one rank, calls ``MPI.COMM_WORLD.Abort(1)``:
-the MPI launcher ends every rank and the job exits non-zero. Only the rank's own process aborts: a child it
-forked after importing distdl (a ``DataLoader`` worker, ``os.fork()``) inherits the hooks, but an exception there
-just prints its traceback (and ends the child, without finalising the rank's MPI, where it is the main thread's). This works for
-``mpiexec -n N python script.py`` as well as for ``python -m mpi4py script.py``. A single-rank run, an interactive session, and a program that
-has already finalised MPI are left alone.
+the MPI launcher ends every rank and the job exits non-zero. This works for ``mpiexec -n N python script.py`` as
+well as for ``python -m mpi4py script.py``. A single-rank run, an interactive session, and a program that has
+already finalised MPI are left alone. Only the rank's own process aborts: a child it forked after importing distdl
+(a ``DataLoader`` worker, ``os.fork()``) inherits the hooks, but an exception there just prints its traceback (and
+ends the child, without finalising the rank's MPI, where it is the main thread's).
 
 Opt out with ``DISTDL_ABORT_ON_ERROR=0`` in the environment (read when distdl is imported) or
 with :func:`uninstall`. Not covered: ``sys.exit(n)`` on one rank is not an exception (run under

@@ -157,7 +157,7 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     return x_local, y_local
 
 
-def _difference(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float | None, atol: float | None,
+def _difference(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float, atol: float,
                 what: str) -> str | None:
     """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close."""
     try:
