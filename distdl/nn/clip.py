@@ -51,7 +51,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
         return torch.zeros((), dtype=torch.float64)
     # check mode: a member with another norm_type or max_norm (or making another call) scales by another factor
     verify(where, P, agree={"norm_type": repr(norm_type), "max_norm": repr(float(max_norm))})
-    grads, owned, seen, members = [], [], set(), frozenset(P.root_ranks)
+    grads, owned, seen = [], [], set()
     for m in module.modules():  # no communication here: a parametrized layer raises on every member alike
         check_unparametrized(where, m)
         layouts = m._state_layouts() if isinstance(m, CollectStateMixin) else None
@@ -64,8 +64,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
                 mine = P.rank == 0
             else:  # the first member of P holding a copy of this block (all of P where a layer sums over it)
                 P_m = m._state_partition()
-                held = P_m.active and members & block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes,
-                                                              P._root)
+                held = P_m.active and block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P)
                 mine = bool(held) and min(held) == P.root_ranks[P.rank]
             if mine:
                 owned.append(p.grad.detach().double().abs())

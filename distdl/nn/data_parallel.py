@@ -532,7 +532,7 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
         for name, p in m.named_parameters(recurse=False):
             if not p.requires_grad:  # not reduced: frozen, its copies need no sum
                 continue
-            copies = members & block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P._root)
+            copies = block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P)
             what = f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
             if copies == members and holders[id(p)] > 1:
                 problem = problem or (f"{what} is summed over P by its layer and held by another module too (tied): "

@@ -87,21 +87,21 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
                          f"spectral_norm...) on a distdl layer's parameters, got one on {type(module).__name__}")
 
 
-def block_holders(P: MPIPartition, split: tuple[int | None, ...], root: MPI.Comm) -> frozenset[int]:
-    """Return the ranks in ``root`` of the members of ``P`` that hold copies of this member's block of a tensor split
-    along the partition axes ``split`` (the fibre of the other axes; built once per partition)."""
+def block_holders(P_layer: MPIPartition, split: tuple[int | None, ...], P: MPIPartition) -> frozenset[int]:
+    """Return the root ranks of the members of ``P`` that hold copies of this member's block of a tensor of
+    ``P_layer`` split along its partition axes ``split`` (the fibre of the other axes; built once per partition)."""
     def build() -> list[int]:
-        return [P.root_ranks[r] for r in range(P.size)
-                if all(i == j for a, (i, j) in enumerate(zip(P.cartesian_index(r), P.index)) if a in split)]
-    ranks = P._memo(("block_holders", split), build)
-    if P._root is root:  # partitions derived from roots of one communicator share its duplicate
-        return frozenset(ranks)
-    mine, theirs = P._root.Get_group(), root.Get_group()
-    try:
-        return frozenset(int(r) for r in MPI.Group.Translate_ranks(mine, ranks, theirs))  # MPI.UNDEFINED outside it
-    finally:
-        mine.Free()
-        theirs.Free()
+        return [P_layer.root_ranks[r] for r in range(P_layer.size)
+                if all(i == j for a, (i, j) in enumerate(zip(P_layer.cartesian_index(r), P_layer.index)) if a in split)]
+    ranks = P_layer._memo(("block_holders", split), build)
+    if P_layer._root is not P._root:  # partitions derived from roots of one communicator share its duplicate
+        mine, theirs = P_layer._root.Get_group(), P._root.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(mine, ranks, theirs)  # MPI.UNDEFINED outside it
+        finally:
+            mine.Free()
+            theirs.Free()
+    return frozenset(int(r) for r in ranks) & frozenset(P.root_ranks)
 
 
 class CollectStateMixin:
