@@ -36,7 +36,13 @@ def machine() -> dict:
     return {"cores": os.cpu_count(), "ranks": MPI.COMM_WORLD.size, "load": round(os.getloadavg()[0], 1),
             "mpi": MPI.Get_library_version().splitlines()[0].strip(), "mpi4py": mpi4py.__version__,
             "torch": torch.__version__, "thread level": THREAD_LEVELS.get(MPI.Query_thread(), "?"),
-            "allocator": allocator_environment(), "date": datetime.datetime.now().isoformat(timespec="minutes")}
+            "allocator": allocator_environment(), "mpich": mpich_environment(),
+            "date": datetime.datetime.now().isoformat(timespec="minutes")}
+
+
+def mpich_environment() -> str:
+    """Return the MPICH settings (``MPIR_CVAR_*``) in the environment."""
+    return " ".join(f"{n}={v}" for n, v in sorted(os.environ.items()) if n.startswith("MPIR_CVAR_")) or "defaults"
 
 
 def allocator_environment() -> str:

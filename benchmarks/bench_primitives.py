@@ -330,7 +330,8 @@ def _run_section(run) -> list[str]:
                                         if m["ranks"] > m["cores"] else ""), "",
              f"{m['date']}; {m['cores']} cores; load average {m['load during run'][0]}-{m['load during run'][1]} "
              f"during the run (the machine is shared); {m['mpi']}; mpi4py {m['mpi4py']}, thread level "
-             f"{m['thread level']}; torch {m['torch']}; allocator: {m['allocator']}.", "",
+             f"{m['thread level']}; torch {m['torch']}; allocator: {m['allocator']}; MPICH settings: "
+             f"{m.get('mpich', 'not recorded')}.", "",
              "Targets (worst case over the sizes named; medians, and in brackets the best rounds, which is what a",
              "call costs when neither rank is descheduled):", ""] + _targets(run) + [""]
     sizes = {int(s): v for s, v in run["sizes"].items()}
