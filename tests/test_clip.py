@@ -55,6 +55,31 @@ def test_clip_matches_the_sequential_model(P_world, comm, norm_type):
     assert all(torch.equal(replicated, r) for r in comm.allgather(replicated))  # replicas equal on every worker
 
 
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_a_nan_gradient_gives_a_nan_norm(P_world, comm, norm_type):
+    """A NaN in one worker's block of a gradient (not the first it counts): the norm is NaN on every worker and
+    every gradient becomes NaN, as with torch's clip_grad_norm_; error_if_nonfinite raises on every worker. (The
+    inf-norm took Python's max, which drops a NaN after a number, and a NaN norm left the gradients unscaled.)"""
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    model = torch.nn.ModuleList([DistributedLinearAllGather(P_f, 4, 5), DistributedLinearAllGather(P_f, 4, 5)])
+    for k, p in enumerate(model.parameters()):
+        p.grad = random_tensor(p.shape, seed=10 * comm.rank + k, dtype=torch.float32)
+    if comm.rank == comm.size - 1:
+        model[1].weight.grad[-1, -1] = math.nan
+    sequential = torch.nn.Linear(4, 5)
+    sequential.weight.grad = torch.rand(5, 4)
+    sequential.weight.grad[-1, -1] = math.nan
+    expected = torch.nn.utils.clip_grad_norm_(sequential.parameters(), 1.0, norm_type)
+    assert math.isnan(expected) and sequential.weight.grad.isnan().all()  # torch's behaviour
+    norm = clip_grad_norm_(model, 1.0, P_world, norm_type)
+    assert math.isnan(norm)
+    assert all(p.grad.isnan().all() for p in model.parameters())
+    with pytest.raises(RuntimeError, match=f"clip_grad_norm_: the total norm of order {norm_type} of the gradients "
+                                           "is non-finite"):
+        clip_grad_norm_(model, 1.0, P_world, norm_type, error_if_nonfinite=True)
+
+
 @sizes(2, 3)
 def test_clip_with_a_batch_norm_over_the_replicas(P_world, comm):
     """Data parallelism with a batch norm over the batch it splits (SyncBatchNorm in DDP): one replica is one worker,

@@ -735,6 +735,45 @@ def test_sum_of_an_accumulated_gradient_raises(P_world, comm):
     _assert_grads(averaged, [2 * g / comm.size for g in expected])
 
 
+@sizes(2, 3)
+def test_a_function_call_per_micro_batch_raises_where_it_would_reduce_twice(P_world, comm):
+    """all_reduce_gradients after each micro-batch reduces again what the last call reduced: with op='sum' every
+    gradient (P.size times too large), with op='avg' a batch norm's, which its layer sums over P already (divided
+    twice; silent until now). It raises on every member; op='avg' of ordinary parameters (exact either way),
+    gradients zeroed in place between steps, and one call after the accumulated micro-batches do not."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((7, 4), seed=81)
+    blocks = [_rows(7, comm.size, r) for r in range(comm.size)]
+    for op in ("sum", "avg"):
+        reference = _norm_model(torch.nn.BatchNorm1d(3))
+        for half in (0, 1):  # two micro-batches: the squared output, then its cube, each member's rows
+            sum((reference(x)[rows] ** (2 + half)).sum() for rows in blocks).backward()
+        expected = [p.grad / (comm.size if op == "avg" else 1) for p in reference.parameters()]
+        model, mine = _norm_model(DistributedBatchNorm(P_x, 3)), x[blocks[comm.rank]]
+        model(mine).pow(2).sum().backward()
+        all_reduce_gradients(model, P_world, op=op)
+        model(mine).pow(3).sum().backward()
+        with pytest.raises(RuntimeError, match=r"all_reduce_gradients: expected the gradients zeroed between calls, "
+                                               r"got the gradient of a parameter of shape \([0-9, ]+\) accumulated "
+                                               r"onto its last reduced value by a backward; reduced again, that value "
+                                               f"would be {'summed' if op == 'sum' else 'divided by P.size'} again"):
+            all_reduce_gradients(model, P_world, op=op)
+        model.zero_grad(set_to_none=False)  # zeroed in place: the same .grad tensors, written once since
+        all_reduce_gradients(model, P_world, op=op)  # nothing to reduce twice
+        for half in (0, 1):
+            model(mine).pow(2 + half).sum().backward()
+        all_reduce_gradients(model, P_world, op=op)
+        _assert_grads(model, expected)
+    averaged = _mlp(6)  # no parameter a layer sums: avg(avg(A) + g) = avg(A) + avg(g)
+    xs, ys = _batch(2, seed=60 + comm.rank)
+    for _ in range(2):
+        ((averaged(xs) - ys) ** 2).sum().backward()
+        all_reduce_gradients(averaged, P_world)
+    batches = [_batch(2, 60 + r) for r in range(comm.size)]
+    expected = _grads(_mlp(6), torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    _assert_grads(averaged, [2 * g / comm.size for g in expected])
+
+
 @sizes(1, 2)
 def test_deep_copy_names_the_way(P_world, comm):
     import copy

@@ -24,8 +24,8 @@ __all__ = ["clip_grad_norm_"]
 
 
 @torch.no_grad()
-def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients of ``module`` by ``min(1, max_norm / (norm + 1e-6))``, as torch's
     ``clip_grad_norm_``, with ``norm`` that of the sequential model's gradient.
 
@@ -37,8 +37,12 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
         max_norm: the largest norm allowed.
         P: the partition of the model's workers.
         norm_type: ``p`` of the p-norm, or ``math.inf``.
+        error_if_nonfinite: raise where the norm is NaN or infinite (on every member, before scaling); otherwise
+            scale by the factor it gives, as torch does (a NaN norm makes every gradient NaN).
     Returns:
         The norm before clipping (0-dim, float64); 0 outside ``P``.
+    Raises:
+        RuntimeError: a NaN or infinite norm with ``error_if_nonfinite``.
     """
     where = "clip_grad_norm_"
     if not isinstance(module, torch.nn.Module):
@@ -69,12 +73,16 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition,
             if mine:
                 owned.append(p.grad.detach().double().abs())
     if norm_type == math.inf:
-        local = max((float(g.max()) for g in owned if g.numel()), default=0.0)
+        maxima = [g.max() for g in owned if g.numel()]
+        local = float(torch.stack(maxima).max()) if maxima else 0.0  # a NaN wins, as in torch (Python's max drops it)
         norm = float(P.allreduce_data(np.array([local]), op="max")[0])
     else:
         local = sum(float(g.pow(norm_type).sum()) for g in owned)
         norm = float(P.allreduce_data(np.array([local]))[0]) ** (1 / norm_type)
+    if error_if_nonfinite and not math.isfinite(norm):  # the same norm on every member: all raise
+        raise RuntimeError(f"{where}: the total norm of order {norm_type} of the gradients is non-finite ({norm}), "
+                           "so it cannot be clipped; set error_if_nonfinite=False to scale them by it anyway")
     coefficient = max_norm / (norm + 1e-6)
-    if coefficient < 1:
+    if not coefficient >= 1:  # a NaN norm too: every gradient becomes NaN, as torch's
         torch._foreach_mul_(grads, coefficient)
     return torch.tensor(norm, dtype=torch.float64)

@@ -66,9 +66,12 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
                          bucket_cap_mb: float = 25) -> None:
     """Reduce every parameter's ``.grad`` of ``module`` over ``P``, in buckets, in place.
 
-    Blocking; once per backward (with ``op="avg"``, the gradients a distdl layer already summed over ``P`` are
-    divided by ``P.size`` at each call). The buckets (and their buffers) are planned on the first call and kept
-    for later calls with the same parameters.
+    Blocking; once per step, after its last backward (with gradient accumulation, after the last micro-batch's).
+    Called after each micro-batch instead, it would reduce again what the last call reduced: with ``op="sum"``
+    every gradient, with ``op="avg"`` the gradients a distdl layer already summed over ``P`` (divided by
+    ``P.size`` at each call). Where it finds a gradient reduced by the last call and then accumulated onto by a
+    backward, it raises RuntimeError on every member instead. The buckets (and their buffers) are planned on the
+    first call and kept for later calls with the same parameters.
 
     Args:
         module: the replica; the members of ``P`` must hold the same parameters (dtypes, shapes, order).
@@ -80,6 +83,7 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
         ValueError: a bad ``op`` or ``bucket_cap_mb``, members of ``P`` holding different parameters, a layer
             summing the gradients of a parameter's copies over some members of ``P`` but not all, or such a
             parameter, summed over all of ``P``, held by another module too.
+        RuntimeError: a gradient that the last call reduced and a backward then accumulated onto (see above).
     """
     where = "all_reduce_gradients"
     params = _validate(where, module, P, op, bucket_cap_mb)
@@ -89,7 +93,10 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     if not P.active or P.size == 1:
         return  # a sum over one worker changes nothing
     verify(where, P, agree={"op": op})  # check mode: a member skipping this (or with another op) is named
-    _check_agreement(where, P, signature, problem)
+    # What a second reduction would change: every gradient summed, or divided where its layer summed it already
+    changed = [p for b in buckets for p in b.params] if op == "sum" else list(summed.values())
+    written = P._memo(("reduced gradients",), dict)  # id(p) -> (p, its .grad, weakly; the .grad's version)
+    _check_agreement(where, P, signature, problem, _accumulated(where, op, changed, written))
     for p in summed.values() if op == "avg" else ():  # their layers summed these over P already
         if p.grad is not None:
             p.grad.div_(P.size)
@@ -99,6 +106,31 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     for bucket in buckets:
         bucket.start(comm, claimed, P.size if op == "avg" else 1)
     _complete(buckets)
+    written.clear()  # this call's only: the last call's parameters may be gone
+    grads = [p.grad for p in changed if p.grad is not None]
+    # Views and detached aliases of one tensor (a layer's weight and bias gradients, one tensor's halves) share its
+    # memory and its version counter: count the gradients on each memory
+    sharing = Counter(g.untyped_storage().data_ptr() for g in grads)
+    for p in changed:
+        if p.grad is not None:  # the version after one write to each gradient sharing its counter
+            written[id(p)] = (weakref.ref(p), weakref.ref(p.grad),
+                              p.grad._version + sharing[p.grad.untyped_storage().data_ptr()])
+
+
+def _accumulated(where: str, op: str, params: list, written: dict) -> str | None:
+    """Return what is wrong where a parameter's ``.grad`` is the one the last call reduced, written once since (a
+    backward accumulating onto it; ``zero_()`` also writes once, but leaves nothing that a reduction changes)."""
+    for p in params:
+        found = written.get(id(p))
+        if (found is not None and found[0]() is p and found[1]() is p.grad and p.grad._version == found[2]
+                and bool(p.grad.any())):
+            again = ("summed again (P.size times too large)" if op == "sum" else
+                     "divided by P.size again (its layer summed it over P already)")
+            return (f"{where}: expected the gradients zeroed between calls, got the gradient of a parameter of shape "
+                    f"{tuple(p.shape)} accumulated onto its last reduced value by a backward; reduced again, that "
+                    f"value would be {again}. Call it once per step, after the last backward (accumulate the "
+                    "micro-batches first), or zero the gradients")
+    return None
 
 
 def _complete(buckets: list[_Bucket]) -> None:
@@ -493,15 +525,20 @@ def _signature(buckets: list[_Bucket], tensors: list[torch.Tensor]) -> int:
     return zlib.crc32(repr(layout).encode())
 
 
-def _check_agreement(where: str, P: MPIPartition, signature: int, problem: str | None = None) -> None:
-    """Raise on every member if the members' layouts differ (MPI would hang or mix data up), or if a member found a
-    ``problem`` with a parameter a layer sums itself (see :func:`_summed_by_layers`)."""
-    mine = np.array([signature, problem is not None], dtype=np.int64)
-    everyone = np.empty((P.size, 2), dtype=np.int64)
+def _check_agreement(where: str, P: MPIPartition, signature: int, problem: str | None = None,
+                     misuse: str | None = None) -> None:
+    """Raise on every member if the members' layouts differ (MPI would hang or mix data up), if a member found a
+    ``problem`` with a parameter a layer sums itself (see :func:`_summed_by_layers`; ValueError), or a ``misuse``
+    (RuntimeError, the message as it is)."""
+    mine = np.array([signature, problem is not None, misuse is not None], dtype=np.int64)
+    everyone = np.empty((P.size, 3), dtype=np.int64)
     P.comm.Allgather(mine, everyone)
     found = [int(r) for r in np.flatnonzero(everyone[:, 1])]
     if found:  # every member raises, naming what the first member that found a problem found
         raise ValueError(f"{where}: on P rank {found[0]}, {P.comm.bcast(problem, root=found[0])}")
+    found = [int(r) for r in np.flatnonzero(everyone[:, 2])]
+    if found:
+        raise RuntimeError(P.comm.bcast(misuse, root=found[0]))
     everyone = everyone[:, 0]
     differ = [int(r) for r in np.flatnonzero(everyone != everyone[0])]
     if differ:
