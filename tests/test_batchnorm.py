@@ -201,6 +201,36 @@ def test_errors(P_world, comm):
 
 
 @sizes(1, 2, 3)
+def test_running_statistics_set_to_none_and_state_dicts_without_a_count(P_world, comm):
+    """As torch: with running_mean and running_var set to None after construction, batch statistics in eval mode
+    too and nothing to update in training (AttributeError until now); a state dict without num_batches_tracked
+    (saved before torch's batch norms' version 2, or made by hand) loads and leaves the count (a missing key)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    layer, ref = _pair(P_x, (5, 3, 4))
+    for module in (layer, ref):
+        module.running_mean = module.running_var = None
+    for step, mode in enumerate(("train", "eval", "train")):
+        layer.train(mode == "train")
+        ref.train(mode == "train")
+        x = random_tensor((5 + step, 3, 4), seed=20 + step) * 2 + 3
+        assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=step, rtol=1e-10, atol=1e-10)
+        assert layer.num_batches_tracked.item() == ref.num_batches_tracked.item()
+    assert ref.num_batches_tracked.item() == 2
+    ref = torch.nn.BatchNorm1d(3).double()
+    ref(random_tensor((6, 3, 4), seed=3))
+    state = {k: v for k, v in ref.state_dict().items() if k != "num_batches_tracked"}  # no version metadata
+    for collect_state in (False, True):
+        layer = DistributedBatchNorm(P_x, 3, collect_state=collect_state).double()
+        layer.num_batches_tracked.fill_(5)
+        layer.load_state_dict(dict(state) if P_x.rank == 0 or not collect_state else {})
+        assert layer.num_batches_tracked.item() == 5
+        torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=0, atol=0)
+    ref.load_state_dict(state)  # torch's own rule, kept by the layer
+    assert ref.num_batches_tracked.item() == 1
+    assert layer.state_dict()._metadata[""]["version"] == ref.state_dict()._metadata[""]["version"] == 2
+
+
+@sizes(1, 2, 3)
 def test_empty_global_batch_in_training(P_world, comm):
     """As torch: an empty output, the batch counted, the running statistics left as they were."""
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))

@@ -1,5 +1,7 @@
 """DistributedMaxPool/AvgPool 1d/2d/3d: forward and input gradient equal torch's on the gathered tensors."""
 
+import re
+
 import pytest
 import torch
 
@@ -120,6 +122,21 @@ def test_errors(P_world, comm):
     for dtype in (torch.bool, torch.complex64):  # on every worker, before any exchange
         with pytest.raises(TypeError, match=rf"DistributedMaxPool1d: expected a real tensor, got {dtype}"):
             pooling.DistributedMaxPool1d(P_x, 2)(torch.ones(1, 2, 4 if comm.rank == 0 else 0, dtype=dtype))
+
+
+@sizes(1, 2, 3)
+def test_torch_argument_edges(P_world, comm):
+    """Arguments torch takes at their edges: an empty stride is the kernel size, a negative divisor_override
+    divides by it (both refused until now); a divisor_override that is no non-zero int is refused when the layer is
+    built (a tuple passed and failed at the forward with a raw TypeError)."""
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    _check(P_x, *_layers("Max", 1, P_x, kernel_size=3, stride=()), (2, 2, 7))
+    P_2 = P_world.create_cartesian_topology_partition((1, 1, comm.size, 1))
+    _check(P_2, *_layers("Avg", 2, P_2, kernel_size=2, stride=[], divisor_override=-2), (2, 2, 7, 4))
+    for bad in ((3,), 0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"DistributedAvgPool1d: expected divisor_override as a non-zero int "
+                                             rf"\(or None\), got {re.escape(repr(bad))}"):
+            pooling.DistributedAvgPool1d(P_x, 2, divisor_override=bad)
 
 
 @sizes(1, 2, 3)

@@ -163,6 +163,8 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         ValueError: ``P_x`` of fewer than 2 dimensions or with a partitioned channel axis.
     """
 
+    _version = 2  # torch's batch norms' state dict version (num_batches_tracked since 2)
+
     def __init__(self, P_x: MPIPartition, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, collect_state: bool = False,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
@@ -221,7 +223,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
                              f"channels (dimension 1) for P_x of shape {self.P_x.shape}, got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
-        if self.training or not self.track_running_stats:
+        if self.training or (self.running_mean is None and self.running_var is None):  # torch's rule
             with torch.no_grad():
                 n, local_mean, m2 = _channel_moments(x.to(torch.promote_types(x.dtype, torch.float32)))
                 mean, var, count = _merge_moments(n, local_mean, m2, self.P_x, self.axes)
@@ -229,20 +231,35 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             if count == 1:  # torch's rule wherever batch statistics are used; an empty batch passes
                 raise ValueError(f"{name}: expected more than 1 value per channel when training, got 1 over P_x")
             if self.training and self.track_running_stats:
-                if count:
-                    self._update_running_stats(mean, var, count)
-                else:  # torch counts an empty batch and leaves the statistics
-                    self.num_batches_tracked.add_(1)
+                self._update_running_stats(mean, var, count)
         else:
             mean, var, count = self.running_mean, self.running_var, None
         return _BatchNorm.apply(in_graph(x), self.weight, self.bias, mean, var, count, self.eps, self.P_x, self.axes)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
-        self.num_batches_tracked.add_(1)
-        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        self.running_var.mul_(1 - factor).add_(var, alpha=factor * count / (count - 1))  # unbiased variance
+        """As torch: count the batch (an empty one too), then move the statistics there are toward its own."""
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        if not count:  # torch leaves the statistics after an empty batch
+            return
+        if self.running_mean is not None:
+            self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        if self.running_var is not None:
+            self.running_var.mul_(1 - factor).add_(var, alpha=factor * count / (count - 1))  # unbiased variance
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # As torch's batch norms: a state dict saved before their version 2 (or made by hand, with no version)
+        # has no num_batches_tracked, which then keeps its value
+        old = (local_metadata.get("version") or 0) < 2
+        if old and self.track_running_stats and self.num_batches_tracked is not None:
+            state_dict.setdefault(prefix + "num_batches_tracked", self.num_batches_tracked)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "

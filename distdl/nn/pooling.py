@@ -40,7 +40,7 @@ Size = int | tuple[int, ...]
 class _DistributedPoolNd(torch.nn.Module):
     """Pool ``(N, C, *spatial)`` tensors partitioned by ``P_x`` (``d + 2`` dimensions; any axis may be split).
 
-    Args, their order and defaults are torch's (``stride=None``: the kernel size); the max pools reject
+    Args, their order and defaults are torch's (``stride=None`` or empty: the kernel size); the max pools reject
     ``return_indices=True`` (indices would be local to the window), and the average pools accept
     ``divisor_override`` in 1-d too.
     Raises:
@@ -57,7 +57,8 @@ class _DistributedPoolNd(torch.nn.Module):
             raise ValueError(f"{name}: expected a partition of {d + 2} dimensions, got shape {P_x.shape}")
         self.P_x = P_x
         self.kernel_size = _windows.as_tuple(name, "kernel_size", kernel_size, d, minimum=1)
-        self.stride = _windows.as_tuple(name, "stride", kernel_size if stride is None else stride, d, minimum=1)
+        default = stride is None or (isinstance(stride, (tuple, list)) and not stride)  # torch: () too
+        self.stride = _windows.as_tuple(name, "stride", kernel_size if default else stride, d, minimum=1)
         self.padding = _windows.as_tuple(name, "padding", padding, d)
         self.dilation = _windows.as_tuple(name, "dilation", dilation, d, minimum=1)
         (self.ceil_mode,) = check_flags(name, ceil_mode=ceil_mode)
@@ -135,9 +136,11 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         super().__init__()
         self._setup(P_x, kernel_size, stride, padding, 1, ceil_mode)
         (self.count_include_pad,) = check_flags(type(self).__name__, count_include_pad=count_include_pad)
-        if divisor_override is not None:
-            _windows.as_tuple(type(self).__name__, "divisor_override", divisor_override, 1, minimum=1)
-        self.divisor_override = divisor_override
+        if divisor_override is not None and (isinstance(divisor_override, bool) or divisor_override == 0
+                                             or not isinstance(divisor_override, (int, np.integer))):
+            raise ValueError(f"{type(self).__name__}: expected divisor_override as a non-zero int (or None), got "
+                             f"{divisor_override!r}")  # torch takes a negative one too
+        self.divisor_override = None if divisor_override is None else int(divisor_override)
 
     def _divisor(self, plan: _windows.Plan) -> np.ndarray:
         """Return torch's divisor of every output of this worker's block (broadcastable over N and C)."""
