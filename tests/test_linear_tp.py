@@ -154,10 +154,32 @@ def test_state_dict_round_trip(P_world, comm, kind):
     layer.load_state_dict(ref.state_dict() if comm.rank % 2 == 0 else {})
     assert_sequential_equivalence(layer, ref, random_tensor(x_shape, seed=7), P_x, layer.P_y, rtol=1e-12)
     state = layer.state_dict()
-    if P_x.rank == 0:
+    if comm.rank == 0:  # rank 0 of the root partition, where P_x's rank 0 is another worker too
         assert list(state) == ["weight", "bias"]
         for key, value in ref.state_dict().items():
             assert torch.equal(state[key], value)
+    else:
+        assert list(state) == []
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+@sizes(2, 3, 4)
+def test_a_layer_without_root_rank_0_saves_and_loads_through_it(P_world, comm, kind):
+    """A layer whose partition leaves out rank 0 of the root partition: its collected state reaches rank 0's
+    state_dict (it stayed on the layer's own rank 0, so a checkpoint saved on rank 0 silently lacked it), and a
+    checkpoint given to rank 0 alone loads into it (the layer's rank 0 reported missing keys, alone)."""
+    P_sub = P_world.create_partition_inclusive(range(1, comm.size))
+    P_x = _partition(P_sub, kind, (1, comm.size - 1), -1)
+    _, ref = _pair(kind, P_x, -1, 7, 5, seed=8)
+    model = torch.nn.ModuleDict({"inner": LAYERS[kind](P_x, 7, 5, collect_state=True).double()})
+    model.load_state_dict({"inner." + k: v for k, v in ref.state_dict().items()} if comm.rank == 0 else {})
+    layer = model["inner"]
+    assert_sequential_equivalence(layer, ref, random_tensor((3, 7), seed=7), P_x, layer.P_y, rtol=1e-12)
+    state = model.state_dict()
+    if comm.rank == 0:
+        assert list(state) == ["inner.weight", "inner.bias"]
+        for key, value in ref.state_dict().items():
+            assert torch.equal(state["inner." + key], value)
     else:
         assert list(state) == []
 

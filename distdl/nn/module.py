@@ -2,19 +2,21 @@
 
 A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_state=True``:
 
-- ``state_dict()`` (collective over the layer's partition) returns on rank 0 of the partition
-  the same keys and *global* shapes as the equivalent torch layer; on every other worker, and
-  on workers outside the partition, this layer's keys are omitted.
-- ``load_state_dict()`` (collective; call it on every worker) takes rank 0's values, checks
-  their global shapes and sends each worker its block; the other workers may pass the same
-  dict or one without these keys (no missing-key error). Workers outside the partition keep
-  their (unused) values. Strict loading still reports missing and unexpected keys, and a
-  wrong global shape is reported on every member (workers outside the partition report nothing
-  about this layer's keys).
-- Both are collective over the partition: call ``state_dict()`` on every worker, then save on
-  rank 0 (``state = model.state_dict()`` everywhere, then ``if rank == 0: torch.save(state, path)``);
-  ``state_dict()`` on rank 0 alone waits for the others forever, and ``load_state_dict`` on rank 0
-  alone pairs with the others' next call (check mode, ``DISTDL_CHECK=1``, names that mismatch).
+- ``state_dict()`` (collective over the layer's partition) returns on rank 0 of the root partition
+  (the one every partition derives from; usually the world's) the same keys and *global* shapes as
+  the equivalent torch layer; on every other worker this layer's keys are omitted. Where the
+  layer's partition leaves that worker out, its own rank 0 collects the state and hands it over.
+- ``load_state_dict()`` (collective; call it on every worker) takes the values of rank 0 of the root
+  partition (handed to the layer's rank 0 where that is another worker), checks their global shapes
+  and sends each worker its block; the other workers may pass the same dict or one without these
+  keys (no missing-key error). Workers outside the partition keep their (unused) values. Strict
+  loading still reports missing and unexpected keys, and a wrong global shape is reported on every
+  member (workers outside the partition report nothing about this layer's keys).
+- Call both on every worker: ``state = model.state_dict()`` everywhere, then
+  ``if rank == 0: torch.save(state, path)``. ``state_dict()`` on rank 0 alone waits forever for the
+  others where a layer has split tensors (and skips the hand-over of the others), and
+  ``load_state_dict`` on rank 0 alone pairs with the others' next call (check mode, ``DISTDL_CHECK=1``,
+  names both).
 
 How a tensor is laid out is a :class:`StateLayout`: by default every parameter and persistent
 buffer is replicated on every worker; a layer with split tensors returns a layout per name
@@ -157,18 +159,29 @@ class CollectStateMixin:
         if P.active and split:
             mine = {name: t.detach().cpu() for name, (t, layout) in split.items() if layout.holds(P.index)}
             pieces = P.comm.gather((P.index, mine), root=0)
+        keys = [prefix + name for name in tensors]
         if P.rank != 0:
-            for name in tensors:
-                destination.pop(prefix + name, None)
+            for key in keys:
+                destination.pop(key, None)
+            if P._root.rank == 0 and _holder(P) not in (None, 0):  # P's rank 0 hands the layer's state over here
+                received = P._root.recv(source=_holder(P), tag=_STATE_TAG)
+                destination.update({key: value.to(tensors[key[len(prefix):]][0].device)
+                                    for key, value in received.items()})
             return
         for name, (t, layout) in split.items():
             blocks = {index: held[name] for index, held in pieces if name in held}
             destination[prefix + name] = layout.assemble(blocks, P.shape).to(t.device)
+        if P._root.rank != 0:  # the state is saved from rank 0 of the root partition: hand it over
+            moved = {key: value for key, value in destination.items() if key in keys}
+            P._root.send({key: value.detach().cpu() for key, value in moved.items()}, dest=0, tag=_STATE_TAG)
+            for key in moved:
+                del destination[key]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         if self.collect_state:
             check_unparametrized("load_state_dict", self)
+            self._receive_state(state_dict, prefix)
             self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
         found = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -176,6 +189,20 @@ class CollectStateMixin:
         P = self._state_partition() if self.collect_state else None
         if P is not None and P.active and P.size > 1:  # rank 0's dict decides here too: every member raises alike
             unexpected_keys[found:] = P.comm.bcast(unexpected_keys[found:] if P.rank == 0 else None, root=0)
+
+    def _receive_state(self, state_dict: dict, prefix: str) -> None:
+        """Where rank 0 of the root partition is not rank 0 of the layer's, hand its entries for this layer (it may
+        be the only worker given the checkpoint) to the layer's rank 0, whose values then decide."""
+        P, holder = self._state_partition(), _holder(self._state_partition())
+        if holder in (None, 0):
+            return
+        keys = [prefix + name for name in self._state_tensors()]
+        if P._root.rank == 0:
+            P._root.send({key: state_dict[key] for key in keys if key in state_dict}, dest=holder, tag=_STATE_TAG)
+        elif P.rank == 0:
+            for key in keys:
+                state_dict.pop(key, None)
+            state_dict.update(P._root.recv(source=0, tag=_STATE_TAG))
 
     def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str],
                           missing_keys: list[str] | None = None) -> None:
@@ -216,6 +243,14 @@ class CollectStateMixin:
                 error_msgs.append(value)
             elif name not in tensors and kind == "missing" and missing_keys is not None:
                 missing_keys.append(prefix + name)
+
+
+_STATE_TAG = 0x5d2  # a layer's state between rank 0 of the root partition and rank 0 of the layer's
+
+
+def _holder(P: MPIPartition) -> int | None:
+    """Return the root rank of rank 0 of ``P``, which holds a layer's collected state (None where unknown)."""
+    return P.root_ranks[0] if P.root_ranks else None
 
 
 def _check_entry(state_dict: dict, key: str, layout: StateLayout) -> tuple[str, object]:
