@@ -18,6 +18,7 @@ from distdl.nn import data_parallel
 from distdl.nn.all_sum_reduce import AllSumReduce
 from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.nn.embedding import DistributedEmbedding
+from distdl.nn.linear_all_gather import DistributedLinearAllGather
 from distdl.nn.loss import DistributedMSELoss
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.testing import random_tensor, scatter
@@ -301,6 +302,32 @@ def test_a_tied_parameter_its_layer_sums_is_refused(P_world, comm):
     for _ in range(2):
         with pytest.raises(ValueError, match=tied):
             wrapped(torch.zeros(2, 3, dtype=torch.int64))
+
+
+@sizes(2, 3)
+def test_a_tie_between_layers_that_both_sum_it_is_taken(P_world, comm):
+    """An embedding over the batch that P splits tied to a head that is a distdl layer over the same batch split
+    (GPT-2's tie in a Megatron-style model): both uses' gradients are summed over P by the layers, so the wrapper
+    takes it (it was refused as a tie to a module that sums nothing); the tied gradient is the whole batch's."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    embedding = DistributedEmbedding(P_x, 7, 4).double()
+    head = DistributedLinearAllGather(P_x, 4, 7, bias=False).double()
+    head.weight = embedding.weight
+    tokens = torch.randint(7, (5, 3), generator=torch.Generator().manual_seed(5))
+    mine = tokens[_rows(5, comm.size, comm.rank)]
+    reference = torch.nn.Embedding(7, 4).double()
+    with torch.no_grad():
+        reference.weight.copy_(embedding.weight)
+    torch.nn.functional.linear(reference(tokens), reference.weight).pow(2).sum().backward()
+    for sync in ("function", "module"):
+        model = torch.nn.Sequential(embedding, head)
+        embedding.weight.grad = None
+        if sync == "function":
+            model(mine).pow(2).sum().backward()
+            all_reduce_gradients(model, P_world, op="sum")
+        else:
+            DataParallel(model, P_world, op="sum")(mine).pow(2).sum().backward()
+        torch.testing.assert_close(embedding.weight.grad, reference.weight.grad, rtol=1e-12, atol=1e-12)
 
 
 @sizes(2, 3)

@@ -555,29 +555,41 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
     the batch that ``P`` splits, as torch's SyncBatchNorm), a sum over ``P`` would count each member's part
     ``P.size`` times; where it holds this member of ``P`` only (a layer inside each replica), the sum over ``P``
     is the data-parallel one. A problem: a fibre holding some members of ``P`` but not all, or a parameter summed
-    by its layer that another module holds too (tied: the gradient from the other module's use is not summed).
+    by its layer that another module holds too, one that does not sum it over ``P`` (tied to a plain torch module:
+    the gradient from that use is not summed; tied to another distdl layer summing it alike, both uses are).
     """
     if not P.active or P.size == 1:
         return set(), None
     members = frozenset(P.root_ranks)
-    holders = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
+
+    def copies(m: torch.nn.Module, name: str, p: torch.Tensor) -> frozenset[int]:
+        """The members of P holding copies of the block of ``p`` that layer ``m`` sums (none: ``m`` sums nothing)."""
+        if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
+            return frozenset()
+        layout = m._state_layouts().get(name) or StateLayout(p.shape)
+        return block_holders(m._state_partition(), layout.axes, P)
+
+    holders: dict[int, list] = {}  # id(p) -> every (module, name) holding p
+    for m in module.modules():
+        for name, p in m.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((m, name))
     summed, problem = set(), None
     for prefix, m in module.named_modules():
         if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
             continue
-        P_m, layouts = m._state_partition(), m._state_layouts()
         for name, p in m.named_parameters(recurse=False):
             if not p.requires_grad:  # not reduced: frozen, its copies need no sum
                 continue
-            copies = block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P)
+            held = copies(m, name, p)
             what = f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
-            if copies == members and holders[id(p)] > 1:
-                problem = problem or (f"{what} is summed over P by its layer and held by another module too (tied): "
-                                      "the gradient of the other use would not be summed; untie it, or wrap over "
-                                      "workers whose layers hold separate copies (the data-parallel fibre)")
-            elif copies == members:
+            if held == members and any(copies(other, n, p) != members for other, n in holders[id(p)]):
+                problem = problem or (f"{what} is summed over P by its layer and held by another module too (tied) "
+                                      "that does not sum it over P: the gradient of the other use would not be "
+                                      "summed; untie it, or wrap over workers whose layers hold separate copies "
+                                      "(the data-parallel fibre)")
+            elif held == members:
                 summed.add(id(p))
-            elif len(copies) > 1:
+            elif len(held) > 1:
                 problem = problem or (f"{what} is summed by its layer over some members of P but not all (they "
                                       "would be summed again); wrap over workers whose layers hold separate copies "
                                       "(the data-parallel fibre), or over all that hold one")
