@@ -15,7 +15,7 @@ A distdl layer sums the gradients of the copies of a parameter it holds on sever
 workers include every member of ``P`` (a batch norm over the batch that ``P`` splits), that sum is already
 the reduction over ``P``: such parameters are left out of the buckets (with ``op="avg"``, divided by
 ``P.size``); where they are this member alone, they are reduced as any parameter; otherwise ValueError (and
-for a parameter summed over all of ``P`` that another module holds too: tied).
+for a parameter summed over all of ``P`` that another module, one not summing it so, holds too: tied).
 
 A parameter without a gradient (``grad is None``) counts as zeros: every bucket also sums one
 presence count per parameter, so every member learns how many members had a gradient.
@@ -82,7 +82,7 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
         TypeError: ``module`` not a ``torch.nn.Module``, ``P`` not a partition, or a sparse gradient.
         ValueError: a bad ``op`` or ``bucket_cap_mb``, members of ``P`` holding different parameters, a layer
             summing the gradients of a parameter's copies over some members of ``P`` but not all, or such a
-            parameter, summed over all of ``P``, held by another module too.
+            parameter, summed over all of ``P``, held by another module too that does not sum it so.
         RuntimeError: a gradient that the last call reduced and a backward then accumulated onto (see above).
     """
     where = "all_reduce_gradients"
