@@ -6,6 +6,7 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
   (the one every partition derives from; usually the world's) the same keys and *global* shapes as
   the equivalent torch layer; on every other worker this layer's keys are omitted. Where the
   layer's partition leaves that worker out, its own rank 0 collects the state and hands it over.
+  Split tensors come back as new, assembled tensors, with ``keep_vars=True`` too (not the parameters).
 - ``load_state_dict()`` (collective; call it on every worker) takes the values of rank 0 of the root
   partition (handed to the layer's rank 0 where that is another worker), checks their global shapes
   and sends each worker its block; the other workers may pass the same dict or one without these
