@@ -160,19 +160,19 @@ class CollectStateMixin:
         if P.active and split:
             mine = {name: t.detach().cpu() for name, (t, layout) in split.items() if layout.holds(P.index)}
             pieces = P.comm.gather((P.index, mine), root=0)
-        keys = [prefix + name for name in tensors]
+        keys, holder = [prefix + name for name in tensors], _holder(P)
         if P.rank != 0:
             for key in keys:
                 destination.pop(key, None)
-            if P._root.rank == 0 and _holder(P) not in (None, 0):  # P's rank 0 hands the layer's state over here
-                received = P._root.recv(source=_holder(P), tag=_STATE_TAG)
+            if P._root.rank == 0 and holder not in (None, 0):  # P's rank 0 hands the layer's state over here
+                received = P._root.recv(source=holder, tag=_STATE_TAG)
                 destination.update({key: value.to(tensors[key[len(prefix):]][0].device)
                                     for key, value in received.items()})
             return
         for name, (t, layout) in split.items():
             blocks = {index: held[name] for index, held in pieces if name in held}
             destination[prefix + name] = layout.assemble(blocks, P.shape).to(t.device)
-        if P._root.rank != 0:  # the state is saved from rank 0 of the root partition: hand it over
+        if holder not in (None, 0):  # the state is saved from rank 0 of the root partition: hand it over
             moved = {key: value for key, value in destination.items() if key in keys}
             P._root.send({key: value.detach().cpu() for key, value in moved.items()}, dest=0, tag=_STATE_TAG)
             for key in moved:
@@ -194,7 +194,8 @@ class CollectStateMixin:
     def _receive_state(self, state_dict: dict, prefix: str) -> None:
         """Where rank 0 of the root partition is not rank 0 of the layer's, hand its entries for this layer (it may
         be the only worker given the checkpoint) to the layer's rank 0, whose values then decide."""
-        P, holder = self._state_partition(), _holder(self._state_partition())
+        P = self._state_partition()
+        holder = _holder(P)
         if holder in (None, 0):
             return
         keys = [prefix + name for name in self._state_tensors()]

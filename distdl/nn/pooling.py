@@ -136,8 +136,8 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         super().__init__()
         self._setup(P_x, kernel_size, stride, padding, 1, ceil_mode)
         (self.count_include_pad,) = check_flags(type(self).__name__, count_include_pad=count_include_pad)
-        if divisor_override is not None and (isinstance(divisor_override, bool) or divisor_override == 0
-                                             or not isinstance(divisor_override, (int, np.integer))):
+        if divisor_override is not None and (isinstance(divisor_override, bool) or not isinstance(
+                divisor_override, (int, np.integer)) or divisor_override == 0):
             raise ValueError(f"{type(self).__name__}: expected divisor_override as a non-zero int (or None), got "
                              f"{divisor_override!r}")  # torch takes a negative one too
         self.divisor_override = None if divisor_override is None else int(divisor_override)
