@@ -67,6 +67,31 @@ def test_real_placeholders_for_complex_data(P_world, comm):
             assert x.grad is None or x.grad.shape == x.shape
 
 
+@sizes(2, 3)
+def test_integer_placeholders_for_floating_data(P_world, comm):
+    """A receiving worker's integer placeholder cannot require grad: the floating data arriving in its place must
+    join the graph all the same (its backward hung the senders); integer data stays outside the graph."""
+    n = comm.size
+    P_0, P_last = P_world.create_partition_inclusive([0]), P_world.create_partition_inclusive([n - 1])
+    P_all = P_world.create_cartesian_topology_partition([n])
+    for op, x_grad in ((lambda t: broadcast(t, P_0, P_all), lambda: sum(random_tensor((2 * n,), seed=10 + r)
+                                                                          for r in range(n))),
+                       (lambda t: sum_reduce(t, P_0, P_last), lambda: random_tensor((2 * n,), seed=10 + n - 1)),
+                       (lambda t: repartition(t, P_0, P_all), lambda: torch.cat([random_tensor((2,), seed=10 + r)
+                                                                                 for r in range(n)]))):
+        x = random_tensor((2 * n,), seed=1).requires_grad_() if P_0.active else zero_volume_tensor(dtype=torch.int64)
+        y = op(x)
+        if y.requires_grad or y.numel():
+            assert y.requires_grad and y.dtype == torch.float64
+            y.backward(random_tensor(y.shape, seed=10 + comm.rank) if y.numel() else torch.zeros_like(y))
+        else:  # a worker in neither partition of sum_reduce: it passes
+            assert 0 < comm.rank < n - 1
+        if P_0.active:
+            torch.testing.assert_close(x.grad, x_grad())
+        ids = torch.arange(2 * n) if P_0.active else zero_volume_tensor(dtype=torch.int64)
+        assert not op(ids).requires_grad
+
+
 @sizes(3)
 def test_linear_with_receive_only_output_worker(P_world, comm):
     """DistributedLinear whose P_y worker is outside P_x and P_w, with an input that needs no gradient."""

@@ -14,6 +14,7 @@ from mpi4py import MPI
 import distdl
 from distdl import checks
 from distdl.checks import CollectiveMismatchError, CollectiveTimeoutError, checking, verify
+from distdl.functional.window_exchange import window_exchange, window_scatter_add
 from distdl.testing import random_tensor
 from helpers import partition_shapes, sizes
 
@@ -146,7 +147,12 @@ def test_a_call_that_fails_its_checks_on_one_worker(P_world, comm):
              "sum_reduce": lambda t: F.sum_reduce(t, P, P_0),
              "halo_exchange_adjoint": lambda t: F.halo_exchange_adjoint(t, P, widths, widths, widths),
              "all_sum_reduce_forward": lambda t: F.all_sum_reduce_forward(t, P, axes_reduce=(0,))}
-    bad = {"all_gather": torch.ones(3, 1)}  # the others: bool, which cannot be summed
+    n = 3 * comm.size  # each worker's block of a (n * comm.size,) tensor, and its window
+    windows = tuple(((r * n, (r + 1) * n),) for r in range(comm.size))
+    calls["window_exchange"] = lambda t: window_exchange(t, P, (n * comm.size,), windows)
+    calls["window_scatter_add"] = lambda t: window_scatter_add(t, P, (n * comm.size,), windows)
+    bad = {"all_gather": torch.ones(3, 1), "window_exchange": torch.ones(n + 1), "window_scatter_add": torch.ones(1)}
+    # the others: bool, which cannot be summed
     for name, call in calls.items():
         good = torch.full((3 * comm.size,), float(comm.rank + 1))
         with checking():

@@ -199,3 +199,35 @@ def test_cross_entropy_weight_with_byte_targets(P_world, comm):
     for kwargs in ({"weight": weight}, {"weight": weight, "ignore_index": 3}):
         _check(P_x, losses.DistributedCrossEntropyLoss(P_x, **kwargs), torch.nn.CrossEntropyLoss(**kwargs), x, t,
                comm, lambda t: scatter(t.unsqueeze(1), P_x).squeeze(1))
+
+
+@sizes(2, 3, 4)
+def test_a_block_failing_on_one_worker_raises_on_every_member(P_world, comm):
+    """A class index out of range, or a probability outside [0, 1], on one worker: torch's error there, a ValueError
+    naming that worker on the others, and the next call pairs up; a weight of the wrong global size (which a block
+    could broadcast against silently) fails alike."""
+    n, last = comm.size, comm.size - 1
+    P_x = P_world.create_cartesian_topology_partition((n, 1))
+    ce = losses.DistributedCrossEntropyLoss(P_x)
+    x = random_tensor((2, 3), seed=comm.rank)
+    bad = torch.tensor([0, 7 if comm.rank == last else 2])
+    with pytest.raises(IndexError if comm.rank == last else ValueError, match="out of bounds" if comm.rank == last
+                       else rf"DistributedCrossEntropyLoss: the loss failed on worker {last} of P_x"):
+        ce(x, bad)
+    _check(P_x, ce, torch.nn.CrossEntropyLoss(), random_tensor((2 * n, 3), seed=5),
+           torch.arange(2 * n) % 3, comm, lambda t: scatter(t.unsqueeze(1), P_x).squeeze(1))
+    bce = losses.DistributedBCELoss(P_x)
+    p = torch.full((2, 1), 2.0 if comm.rank == 0 else 0.5)
+    with pytest.raises(RuntimeError if comm.rank == 0 else ValueError, match="between 0 and 1" if comm.rank == 0
+                       else "DistributedBCELoss: the loss failed on worker 0 of P_x"):
+        bce(p, torch.full((2, 1), 0.5))
+    # A weight of 2n - 1 over the global input's 2n features: blocks of 2 but the last, of 1 (which broadcast over
+    # its 2 features silently); and one too long.
+    P_y = P_world.create_cartesian_topology_partition((1, n))
+    x, t = scatter(random_tensor((2, 2 * n), seed=1), P_y), scatter(torch.rand(2, 2 * n), P_y)
+    for size, failing in ((2 * n - 1, last), (2 * n + 1, 0)):  # balanced blocks: the last of 1, the first of 3
+        logits = losses.DistributedBCEWithLogitsLoss(P_y, weight=torch.ones(size))
+        message = (r"expected a weight broadcastable to the global input" if comm.rank == failing else
+                   rf"the loss failed on worker {failing} of P_x")
+        with pytest.raises(ValueError, match="DistributedBCEWithLogitsLoss: " + message):
+            logits(x, t)

@@ -69,6 +69,18 @@ def in_graph(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def receiving_in_graph(x: torch.Tensor) -> torch.Tensor:
+    """Return :func:`in_graph` of the input of a worker that may receive data in place of ``x``.
+
+    A zero-volume placeholder of an integer (or bool) dtype cannot require grad: floating data arriving in its
+    place would leave the graph here while the senders wait in the backward for this worker. Such a placeholder
+    is replaced by an empty one of the default floating dtype (an integer result stays outside the graph anyway).
+    """
+    if torch.is_grad_enabled() and x.numel() == 0 and not (x.is_floating_point() or x.is_complex()):
+        x = torch.empty(x.shape, dtype=torch.get_default_dtype(), device=x.device)
+    return in_graph(x)
+
+
 # Non-reentrant activation checkpointing (torch.utils.checkpoint, use_reentrant=False) recomputes a region's forward
 # when backward first unpacks a tensor saved in it, and stops after the last one. A worker whose part of the region
 # saves nothing (a collective's adjoint needs no tensor) would recompute late or not at all, while its peers'

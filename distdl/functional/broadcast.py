@@ -33,7 +33,8 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, grad_like,
-                                       header_of, in_graph, load_anchor, save_anchor, zero_volume_like)
+                                       header_of, in_graph, load_anchor, receiving_in_graph, save_anchor,
+                                       zero_volume_like)
 from distdl.functional._messages import (decode, empty_message, encode_message, inline, inline_payload)
 from distdl.functional.repartition import union
 from distdl.checks import announce, check_mode, verify
@@ -79,7 +80,7 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
         return in_graph(x).clone()  # backward runs here too
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _broadcast(x, bool(preserve_batch), plan)
-    return _Broadcast.apply(in_graph(x), plan, P_x, bool(preserve_batch))
+    return _Broadcast.apply(receiving_in_graph(x), plan, P_x, bool(preserve_batch))
 
 
 class Groups:

@@ -32,7 +32,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like, header_of, in_graph,
-                                       load_anchor, save_anchor, zero_volume_like)
+                                       load_anchor, receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
                                          remembered, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
@@ -80,7 +80,7 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
         return in_graph(x).clone()  # backward runs here too
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _sum_reduce(x, bool(preserve_batch), plan.P_recv, plan.P_send, plan.blocking)
-    return _SumReduce.apply(in_graph(x), plan, P_y, bool(preserve_batch))
+    return _SumReduce.apply(receiving_in_graph(x), plan, P_y, bool(preserve_batch))
 
 
 def reduction_plan(P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool,

@@ -28,7 +28,7 @@ from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
                                        load_anchor, save_anchor)
-from distdl.checks import verify
+from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
@@ -126,7 +126,16 @@ def _checked(where, P_x, shape, windows):
 
 
 def _check(where, t, P_x, shape, windows, what):
-    """Check a call; return its global shape and windows as tuples of ints."""
+    """Check a call; return its global shape and windows as tuples of ints. In check mode a member whose call
+    fails here still takes part in the call's check (see :func:`~distdl.checks.announce`)."""
+    try:
+        return _check_locally(where, t, P_x, shape, windows, what)
+    except (TypeError, ValueError) as error:
+        announce(where, lambda: P_x if P_x.active else None, error)
+        raise
+
+
+def _check_locally(where, t, P_x, shape, windows, what):
     check_tensor(where, t)
     check_partition(where, "P_x", P_x)
     check_idle_input(where, P_x, t)

@@ -76,18 +76,39 @@ class _DistributedLoss(torch.nn.Module):
         # check mode: a loss made with another reduction elsewhere sums the same three numbers to another value,
         # or ('none') makes no collective
         verify(name, self.P_x, agree={"reduction": self.reduction})
-        losses = self._elementwise(input, target)
         if self.reduction == "none":
-            return losses
-        at_batch_start = all(i == 0 for i in self.P_x.index[1:])
-        count = torch.as_tensor(self._count(input, target), dtype=torch.float64, device=input.device)
-        batch = torch.tensor(float(input.shape[0] if at_batch_start else 0), dtype=torch.float64, device=input.device)
-        packed = torch.stack([losses.sum(dtype=torch.float64), count.reshape(()), batch])
-        total = all_sum_reduce_forward(packed, self.P_x, axes_reduce=self.axes)
+            return self._elementwise(input, target)
+        # A worker whose block fails (a class index out of range, a probability outside [0, 1], a weight of
+        # the wrong size) still takes part in the sum, with its failure flagged: every member raises.
+        failures = torch.zeros(self.P_x.size, dtype=torch.float64, device=input.device)
+        try:
+            losses = self._elementwise(input, target)
+            at_batch_start = all(i == 0 for i in self.P_x.index[1:])
+            count = torch.as_tensor(self._count(input, target), dtype=torch.float64, device=input.device)
+            batch = torch.tensor(float(input.shape[0] if at_batch_start else 0), dtype=torch.float64,
+                                 device=input.device)
+            packed = torch.stack([losses.sum(dtype=torch.float64), count.reshape(()), batch])
+            error = None
+        except Exception as failure:
+            packed, error = torch.zeros(3, dtype=torch.float64, device=input.device), failure
+            failures[self.P_x.rank] = 1
+        total = all_sum_reduce_forward(torch.cat([packed, failures]), self.P_x, axes_reduce=self.axes)
+        if error is not None or total[3:].any():
+            self._raise_failed(name, total[3:], error)
         loss = total[0] / {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
         if self.reduction == "mean":  # nothing counted: torch's 0 / 0 = nan, also where label smoothing added to
             loss = loss + torch.where(total[1] == 0, float("nan"), 0.0)  # the sum (inf); a constant: same gradients
         return loss.to(losses.dtype)
+
+    def _raise_failed(self, name: str, failures: torch.Tensor, error: Exception | None) -> None:
+        """Raise, on every member, for the members whose block failed: ``error`` where this is one of them."""
+        members = self.P_x.root_ranks or range(self.P_x.size)
+        workers = [members[i] for i in torch.nonzero(failures).flatten().tolist()]
+        said = f"{name}: the loss failed on worker{'s' if len(workers) > 1 else ''} {', '.join(map(str, workers))}"
+        if error is not None:
+            error.add_note(f"{said} (this one and any others named), on every member of P_x")
+            raise error
+        raise ValueError(f"{said} of P_x (its error says why); no loss was computed here")
 
 
 class DistributedMSELoss(_DistributedLoss):
@@ -120,13 +141,22 @@ class _Weighted(_DistributedLoss):
                                      f"broadcasts to the input), got shape {tuple(weight.shape)}")
             self.register_buffer(key, weight)
 
-    def _block(self, weight: torch.Tensor | None) -> torch.Tensor | None:
-        """Return this worker's block of a global ``weight`` broadcastable to the global input."""
+    def _block(self, key: str, input: torch.Tensor) -> torch.Tensor | None:
+        """Return this worker's block of the global ``weight``/``pos_weight`` (``key``), broadcastable to the global
+        input; ValueError where its block does not match ``input``'s."""
+        weight = getattr(self, key)
         if weight is None:
             return None
         offset = self.P_x.dim - weight.dim()  # an extent above 1: the global extent of input dimension d + offset
         axes = [None if n == 1 else d + offset for d, n in enumerate(weight.shape)]
-        return StateLayout(weight.shape, axes).block(weight, self.P_x.shape, self.P_x.index)
+        block = StateLayout(weight.shape, axes).block(weight, self.P_x.shape, self.P_x.index)
+        for d, n in enumerate(block.shape):
+            if weight.shape[d] != 1 and n != input.shape[d + offset]:
+                raise ValueError(f"{type(self).__name__}: expected a {key} broadcastable to the global input (each "
+                                 f"extent 1 or the input's global extent), got shape {tuple(weight.shape)}: its block "
+                                 f"on worker {self.P_x._root.rank} has {n} along dimension {d + offset}, the input's "
+                                 f"{input.shape[d + offset]}")
+        return block
 
 
 class DistributedBCELoss(_Weighted):
@@ -136,7 +166,7 @@ class DistributedBCELoss(_Weighted):
         super().__init__(P_x, reduction, weight=weight)
 
     def _elementwise(self, input, target):
-        return F.binary_cross_entropy(input, target, weight=self._block(self.weight), reduction="none")
+        return F.binary_cross_entropy(input, target, weight=self._block("weight", input), reduction="none")
 
 
 class DistributedBCEWithLogitsLoss(_Weighted):
@@ -147,8 +177,8 @@ class DistributedBCEWithLogitsLoss(_Weighted):
         super().__init__(P_x, reduction, weight=weight, pos_weight=pos_weight)
 
     def _elementwise(self, input, target):
-        return F.binary_cross_entropy_with_logits(input, target, weight=self._block(self.weight),
-                                                  pos_weight=self._block(self.pos_weight), reduction="none")
+        return F.binary_cross_entropy_with_logits(input, target, weight=self._block("weight", input),
+                                                  pos_weight=self._block("pos_weight", input), reduction="none")
 
 
 class DistributedKLDivLoss(_DistributedLoss):
