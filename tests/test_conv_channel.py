@@ -1,5 +1,8 @@
 """DistributedChannelConv1d/2d/3d: forward, input and parameter gradients equal torch's on the gathered tensors."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 
@@ -66,6 +69,12 @@ def make_pair(layers, P_x, P_y, P_w, axes, x_shape, out_channels, dtype=torch.fl
     return layer, ref
 
 
+def numpy_counts(build):
+    """``build(P_x, P_y, P_w, in_channels, out_channels, ...)`` called with the channel counts as NumPy integers (as
+    ``np.asarray(x.shape)[1]`` gives them)."""
+    return lambda P_x, P_y, P_w, c_in, c_out, **kwargs: build(P_x, P_y, P_w, *np.asarray([c_in, c_out]), **kwargs)
+
+
 def check(layer, ref, P_x, P_y, P_w, axes, x_shape, dtype=torch.float64, tol=1e-10, calls=2):
     """Forward, input gradient and parameter gradients against torch, on ``calls`` calls with growing batch."""
     for call in range(calls):
@@ -94,6 +103,19 @@ def test_matches_torch(P_world, comm):
         y = layer(scatter(random_tensor(x_shape, seed=7), P_x))
         if not P_y.active and (P_x.active or P_w.active):  # DistDL's placeholder keeps the batch
             assert y.shape == (x_shape[0], 0)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@sizes(1, 2, 3, 4)
+def test_numpy_channel_counts(P_world, comm):
+    for P_w_shape, x_ranks, w_ranks, y_ranks, x_shape, out_channels, kwargs in CASES[comm.size]:
+        P_x, P_y, P_w = channel_partitions(P_world, P_w_shape, x_ranks, w_ranks, y_ranks)
+        ours, theirs = LAYERS[len(x_shape) - 2]
+        layers = {len(x_shape) - 2: (numpy_counts(ours), theirs)}
+        layer, ref = make_pair(layers, P_x, P_y, P_w, (0, 1), x_shape, out_channels, **kwargs)
+        assert (layer.in_channels, layer.out_channels) == (x_shape[1], out_channels)
+        assert type(layer.in_channels) is int and type(layer.out_channels) is int
+        check(layer, ref, P_x, P_y, P_w, (0, 1), x_shape)
 
 
 @sizes(1, 2, 3, 4)
@@ -189,6 +211,10 @@ def test_errors(P_world, comm):
         DistributedChannelConv1d(P_x, P_y, P_w, 4, 4, 3, padding_mode="mirror")
     with pytest.raises(ValueError, match=r"expected a positive int for in_channels, got 0"):
         DistributedChannelConv1d(P_x, P_y, P_w, 0, 4, 3)
+    for bad in (np.float64(4.0), np.bool_(True), np.int64(-1)):
+        with pytest.raises(ValueError, match="DistributedChannelConv1d: expected a positive int for in_channels, "
+                                             f"got {re.escape(repr(bad))}"):
+            DistributedChannelConv1d(P_x, P_y, P_w, bad, 4, 3)
     with pytest.raises(ValueError, match=r"DistributedChannelConv1d: expected kernel_size as an int or .*got \(3, 3\)"):
         DistributedChannelConv1d(P_x, P_y, P_w, 4, 4, (3, 3))
     with pytest.raises(TypeError, match=r"DistributedChannelConv1d: expected an MPIPartition for P_w, got int"):

@@ -1,10 +1,13 @@
 """DistributedFeatureConv1d/2d/3d: forward, input and parameter gradients equal torch's on the gathered tensors."""
 
 import importlib
+import re
 
+import numpy as np
 import pytest
 import torch
 
+from distdl.nn.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from distdl.nn.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
 from distdl.testing import assert_adjoint, assert_sequential_equivalence, gather, random_tensor, scatter
 from helpers import sizes
@@ -68,6 +71,26 @@ def test_matches_torch(P_world, comm):
         P_x = P_world.create_cartesian_topology_partition(P_shape)
         layer, ref = _pair(P_x, len(P_shape) - 2, x_shape[1], out_channels, **kwargs)
         _check(P_x, layer, ref, x_shape)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@sizes(1, 2, 3, 4)
+def test_numpy_channel_counts_and_factory(P_world, comm):
+    """Channel counts taken from a NumPy array (as ``np.asarray(x.shape)[1]``) are ints to the layer; the factory
+    builds the same layer from DistDL's positional ``P_y=None, P_w=None`` and says it is one of its own."""
+    selectors = {1: DistributedConv1d, 2: DistributedConv2d, 3: DistributedConv3d}
+    for P_shape, x_shape, out_channels, kwargs in CASES[comm.size]:
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        dims = len(P_shape) - 2
+        counts = np.asarray([x_shape[1], out_channels])
+        layer, ref = _pair(P_x, dims, *counts, **kwargs)
+        assert (layer.in_channels, layer.out_channels) == (x_shape[1], out_channels)
+        assert type(layer.in_channels) is int and type(layer.out_channels) is int
+        _check(P_x, layer, ref, x_shape)
+        built = selectors[dims](P_x, None, None, *counts, **kwargs)
+        assert type(built) is LAYERS[dims][0] and isinstance(built, selectors[dims])
+        assert not any(isinstance(built, selectors[d]) for d in selectors if d != dims)
+        assert issubclass(LAYERS[dims][0], selectors[dims]) and not isinstance(ref, selectors[dims])
 
 
 @sizes(1, 2, 3, 4)
@@ -134,6 +157,10 @@ def test_errors(P_world, comm):
         DistributedFeatureConv1d(P_x, 2, 2, 3, padding_mode="circular")
     with pytest.raises(ValueError, match="expected in_channels and out_channels divisible by groups"):
         DistributedFeatureConv1d(P_x, 3, 2, 3, groups=2)
+    for bad in (np.float64(2.0), np.bool_(True), True, np.int64(0)):
+        with pytest.raises(ValueError, match="DistributedFeatureConv1d: expected a positive int for out_channels, "
+                                             f"got {re.escape(repr(bad))}"):
+            DistributedFeatureConv1d(P_x, 2, bad, 3)
     with pytest.raises(TypeError, match="DistributedFeatureConv1d: expected a bool for collect_state, got 'no'"):
         DistributedFeatureConv1d(P_x, 2, 2, 3, collect_state="no")
     with pytest.raises(ValueError, match=r"expected kernel_size as an int or a sequence of 1, each at least 1, "

@@ -1,6 +1,7 @@
 """DistributedGeneralConv1d/2d/3d and the DistributedConv factory: forward, input and parameter gradients equal
 torch's on the gathered tensors."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,8 +11,9 @@ from distdl.nn.conv_feature import DistributedFeatureConv3d
 from distdl.nn.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
 from distdl.testing import assert_adjoint, random_tensor, scatter
 from helpers import sizes
-from test_conv_channel import check, make_pair, partitions
+from test_conv_channel import check, make_pair, numpy_counts, partitions
 
+SELECTORS = {1: DistributedConv1d, 2: DistributedConv2d, 3: DistributedConv3d}
 LAYERS = {1: (DistributedGeneralConv1d, torch.nn.Conv1d), 2: (DistributedGeneralConv2d, torch.nn.Conv2d),
           3: (DistributedGeneralConv3d, torch.nn.Conv3d)}
 
@@ -127,6 +129,52 @@ def test_factory(P_world, comm):
     assert isinstance(DistributedConv1d(P_1, 2, 2, 3, P_y=P_1, P_w=P_1), DistributedChannelConv1d)
     with pytest.raises(ValueError, match=r"DistributedConv2d: expected both P_y and P_w or neither, got P_w alone"):
         DistributedConv2d(P_x, 2, 2, 3, P_w=P_w)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@sizes(1, 2, 3, 4)
+def test_factory_takes_distdl_positional_partitions(P_world, comm):
+    """DistDL's ``DistributedConv2d(P_x, P_y, P_w, in_channels, ...)``, with NumPy channel counts, builds the layer
+    for the partitions (channel or general), which matches torch and is an instance of the factory's class."""
+    for case in CASES[comm.size]:
+        (P_x, P_y, P_w, axes), x_shape, out_channels, kwargs = _case(P_world, case)
+        dims = len(x_shape) - 2
+        layers = {dims: (numpy_counts(SELECTORS[dims]), LAYERS[dims][1])}
+        layer, ref = make_pair(layers, P_x, P_y, P_w, axes, x_shape, out_channels, **kwargs)
+        kind = "Channel" if P_w.dim == dims + 2 and P_w.shape[2:] == (1,) * dims else "General"
+        assert type(layer).__name__ == f"Distributed{kind}Conv{dims}d"
+        assert isinstance(layer, SELECTORS[dims]) and not isinstance(ref, SELECTORS[dims])
+        assert not any(isinstance(layer, SELECTORS[d]) for d in SELECTORS if d != dims)
+        assert type(layer.in_channels) is int and type(layer.out_channels) is int
+        check(layer, ref, P_x, P_y, P_w, axes, x_shape)
+
+
+@sizes(1, 2)
+def test_factory_call_forms(P_world, comm):
+    """The partitions by position, by keyword or mixed; keyword channel counts; the errors name the factory."""
+    n = comm.size
+    P_x, P_y, P_w = partitions(P_world, (1, n, 1), (1, 1, 1), (1, n, 1), list(range(n)), list(range(n)), [0])
+    for layer in (DistributedConv1d(P_x, P_y, P_w, 4, 2, 3), DistributedConv1d(P_x, P_y, 4, 2, 3, P_w=P_w),
+                  DistributedConv1d(P_x, 4, 2, 3, P_y=P_y, P_w=P_w),
+                  DistributedConv1d(P_x, P_y, P_w, in_channels=4, out_channels=2, kernel_size=3)):
+        assert type(layer) is DistributedChannelConv1d and isinstance(layer, DistributedConv1d)
+        assert (layer.in_channels, layer.out_channels, layer.kernel_size) == (4, 2, (3,))
+    P_s = P_world.create_cartesian_topology_partition((1, 1, n))
+    layer = DistributedConv1d(P_s, in_channels=2, out_channels=3, kernel_size=3)
+    assert isinstance(layer, DistributedConv1d) and not isinstance(layer, DistributedConv2d)
+    assert not isinstance(torch.nn.Conv1d(2, 3, 3), DistributedConv1d) and not isinstance(3, DistributedConv1d)
+    assert issubclass(DistributedGeneralConv2d, DistributedConv2d) and issubclass(DistributedConv2d, DistributedConv2d)
+    assert not issubclass(DistributedGeneralConv2d, DistributedConv1d) and not issubclass(torch.nn.Conv2d,
+                                                                                           DistributedConv2d)
+    with pytest.raises(ValueError, match=r"DistributedConv1d: expected both P_y and P_w or neither, got P_y alone"):
+        DistributedConv1d(P_x, P_y, 4, 2, 3)
+    with pytest.raises(TypeError, match=r"DistributedConv1d: got P_y both by position and by keyword"):
+        DistributedConv1d(P_x, P_y, P_w, 4, 2, 3, P_y=P_y)
+    with pytest.raises(TypeError, match=r"DistributedConv2d: expected an MPIPartition for P_x, got int"):
+        DistributedConv2d(3, P_y, P_w, 4, 2, 3)
+    with pytest.raises(ValueError, match=r"DistributedChannelConv1d: expected a positive int for in_channels, got "
+                                         r"np.float64\(4.0\)"):
+        DistributedConv1d(P_x, P_y, P_w, np.float64(4.0), 2, 3)
 
 
 @sizes(1, 2)

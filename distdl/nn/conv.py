@@ -7,6 +7,11 @@ partitions given                                     layer built
 ``P_x``, ``P_y``, ``P_w``, no spatial axis split     :mod:`~distdl.nn.conv_channel` (channels split)
 ``P_x``, ``P_y``, ``P_w``, otherwise                 :mod:`~distdl.nn.conv_general` (channels, spatial, batch)
 ===================================================  ======================================================
+
+``P_y`` and ``P_w`` may be given by keyword or, as DistDL takes them, by position right after ``P_x``: the second
+and third positional arguments are taken as ``P_y`` and ``P_w`` while they are partitions or ``None``, so both
+``DistributedConv2d(P_x, P_y, P_w, 4, 6, 3)`` and ``DistributedConv2d(P_x, 4, 6, 3, P_y=P_y, P_w=P_w)`` work.
+``isinstance(layer, DistributedConv2d)`` holds for every layer ``DistributedConv2d`` can build.
 """
 
 from __future__ import annotations
@@ -38,19 +43,47 @@ def _build(dims: int, P_x: MPIPartition, args: tuple, P_y: MPIPartition | None, 
     return getattr(module, f"Distributed{kind}Conv{dims}d")(P_x, P_y, P_w, *args, **kwargs)
 
 
-def DistributedConv1d(P_x: MPIPartition, *args: Any, P_y: MPIPartition | None = None,
-                      P_w: MPIPartition | None = None, **kwargs: Any) -> torch.nn.Module:
-    """Return the distributed 1-d convolution for these partitions (arguments after them are torch's)."""
-    return _build(1, P_x, args, P_y, P_w, kwargs)
+class _ConvSelector(type):
+    """Metaclass of DistributedConv1d/2d/3d: calling the class builds the layer that fits the partitions, and
+    ``isinstance``/``issubclass`` cover the feature, channel and general convolutions of its dimension."""
+
+    dims: int
+
+    def __call__(cls, P_x: MPIPartition, *args: Any, P_y: MPIPartition | None = None,
+                 P_w: MPIPartition | None = None, **kwargs: Any) -> torch.nn.Module:
+        given = {"P_y": P_y, "P_w": P_w}
+        for label in given:  # DistDL's order: P_y and P_w by position, while the arguments are partitions or None
+            if not args or not (args[0] is None or isinstance(args[0], MPIPartition)):
+                break
+            if given[label] is not None:
+                raise TypeError(f"{cls.__name__}: got {label} both by position and by keyword")
+            given[label], args = args[0], args[1:]
+        return _build(cls.dims, P_x, args, given["P_y"], given["P_w"], kwargs)
+
+    def _layers(cls) -> tuple[type, ...]:
+        return tuple(getattr(module, f"Distributed{kind}Conv{cls.dims}d") for module, kind in
+                     ((conv_feature, "Feature"), (conv_channel, "Channel"), (conv_general, "General")))
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, cls._layers())
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return sub is cls or issubclass(sub, cls._layers())
 
 
-def DistributedConv2d(P_x: MPIPartition, *args: Any, P_y: MPIPartition | None = None,
-                      P_w: MPIPartition | None = None, **kwargs: Any) -> torch.nn.Module:
-    """Return the distributed 2-d convolution for these partitions (arguments after them are torch's)."""
-    return _build(2, P_x, args, P_y, P_w, kwargs)
+class DistributedConv1d(metaclass=_ConvSelector):
+    """``DistributedConv1d(P_x, [P_y, P_w,] *args, **kwargs)``: the distributed 1-d convolution for these
+    partitions (see :mod:`distdl.nn.conv`; the other arguments are torch's)."""
+    dims = 1
 
 
-def DistributedConv3d(P_x: MPIPartition, *args: Any, P_y: MPIPartition | None = None,
-                      P_w: MPIPartition | None = None, **kwargs: Any) -> torch.nn.Module:
-    """Return the distributed 3-d convolution for these partitions (arguments after them are torch's)."""
-    return _build(3, P_x, args, P_y, P_w, kwargs)
+class DistributedConv2d(metaclass=_ConvSelector):
+    """``DistributedConv2d(P_x, [P_y, P_w,] *args, **kwargs)``: the distributed 2-d convolution for these
+    partitions (see :mod:`distdl.nn.conv`; the other arguments are torch's)."""
+    dims = 2
+
+
+class DistributedConv3d(metaclass=_ConvSelector):
+    """``DistributedConv3d(P_x, [P_y, P_w,] *args, **kwargs)``: the distributed 3-d convolution for these
+    partitions (see :mod:`distdl.nn.conv`; the other arguments are torch's)."""
+    dims = 3

@@ -37,6 +37,7 @@ from distdl.functional.broadcast import broadcast, broadcast_plan
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.functional.sum_reduce import reduction_plan, sum_reduce
 from distdl.nn import _windows
+from distdl.nn.conv_feature import positive_ints
 from distdl.nn.linear import global_block, shared_seed, uniform
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
@@ -72,9 +73,8 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         name, d = type(self).__name__, self.dims
         for label, P in (("P_x", P_x), ("P_y", P_y), ("P_w", P_w)):
             check_partition(name, label, P)
-        for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int for {arg}, got {value!r}")
+        in_channels, out_channels, groups = positive_ints(name, in_channels=in_channels, out_channels=out_channels,
+                                                          groups=groups)
         if groups != 1:
             raise ValueError(f"{name}: expected groups=1 (the only value supported), got {groups}")
         self.use_bias, self.collect_state = check_flags(name, bias=bias, collect_state=collect_state)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +39,14 @@ from distdl.partition import MPIPartition
 __all__ = ["DistributedFeatureConv1d", "DistributedFeatureConv2d", "DistributedFeatureConv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def positive_ints(where: str, **values: object) -> tuple[int, ...]:
+    """Return the named values as ints; raise ValueError unless each is a positive int or NumPy integer."""
+    for arg, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{where}: expected a positive int for {arg}, got {value!r}")
+    return tuple(int(value) for value in values.values())
 
 
 class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
@@ -67,9 +76,8 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         if P_x.dim != d + 2 or P_x.shape[1] != 1:
             raise ValueError(f"{name}: expected a partition of {d + 2} dimensions whose channel axis (1) has "
                              f"extent 1, got shape {P_x.shape}")
-        for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int for {arg}, got {value!r}")
+        in_channels, out_channels, groups = positive_ints(name, in_channels=in_channels, out_channels=out_channels,
+                                                          groups=groups)
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"{name}: expected in_channels and out_channels divisible by groups, got "
                              f"{in_channels}, {out_channels} and groups={groups}")

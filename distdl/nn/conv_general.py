@@ -44,7 +44,8 @@ class _DistributedGeneralConvNd(_BlockConvNd):
     Args:
         P_x, P_y, P_w: the partitions of the input, output and weight, in one of the layouts of
             :mod:`distdl.nn.conv_general` (``P_w`` of ``d + 2`` dimensions, or ``d + 3`` with a batch axis first).
-        in_channels, out_channels: the GLOBAL channel counts (balanced blocks, unevenly if need be).
+        in_channels, out_channels: the GLOBAL channel counts, ints or NumPy integers (balanced blocks, unevenly if
+            need be).
         collect_state: ``state_dict()`` on rank 0 of ``P_w`` holds torch's keys and global shapes, and
             ``load_state_dict()`` takes rank 0's values (see :mod:`distdl.nn.module`).
         The other arguments are torch's; ``padding`` may be ``'same'`` or ``'valid'``; ``groups`` must be 1.
