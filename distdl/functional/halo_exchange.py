@@ -65,7 +65,8 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
     Raises:
         TypeError: ``x`` not a tensor, ``P_x`` not a partition, non-integer widths.
         ValueError: widths of the wrong shape, negative, not fitting in ``x``; ``x`` of the wrong
-            dimension; data on a worker outside ``P_x``; neighbours that disagree on a slab's size.
+            dimension; data on a worker outside ``P_x``; on the receiving worker (alone: its neighbour is not
+            told, and check mode does not compare widths), a neighbour sending a slab of another size.
     """
     try:
         widths = _validate("halo_exchange", x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)

@@ -4,7 +4,8 @@ Forward ``L = (sum_i l(x_i, t_i)) / D`` with ``D`` the global count (``mean``), 
 size (``batchmean``) or 1 (``sum``): each worker sums its elementwise loss in float64, and
 ``[sum, count, batch]`` is summed over ``P_x`` with ``all_sum_reduce_forward`` (backward: identity),
 so every member holds the same loss and ``backward()`` on every member yields each block's exact
-gradient. ``reduction="none"`` returns the local block of the elementwise loss.
+gradient. ``reduction="none"`` returns the local block of the elementwise loss. A worker whose block fails (torch
+raises, or its block of ``weight`` does not fit its input) flags it in that sum: every member raises.
 
 ============================  ========================================================================
 worker                        does
