@@ -496,6 +496,10 @@ class MPIPartition:
         self._comm = MPI.COMM_NULL
         self._freed = True
 
+    deactivate = free
+    """DistDL's name of :meth:`free`. Unlike DistDL's, it leaves the partition unusable, not inactive: deriving
+    from it or passing it to a primitive or layer raises ValueError (build a new one instead)."""
+
     def _check_live(self, where: str) -> None:
         """Raise RuntimeError outside MPI's lifetime, ValueError if this partition was freed (its members would pass
         for inactive workers)."""

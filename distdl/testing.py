@@ -32,13 +32,18 @@ def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch
 
 
 def scatter(x_global: torch.Tensor, P: MPIPartition, preserve_batch: bool = False) -> torch.Tensor:
-    """Return this worker's balanced block of ``x_global`` (which every worker holds); zero-volume if inactive."""
-    if not P.active:
-        b = x_global.shape[0] if preserve_batch and x_global.dim() else None
-        return zero_volume_tensor(b, dtype=x_global.dtype, device=x_global.device)
+    """Return this worker's balanced block of ``x_global`` (which every worker holds); zero-volume if inactive.
+
+    No communication. With ``preserve_batch``, an inactive worker gets shape ``(x_global.shape[0], 0)`` (the
+    batch extent kept, as the primitives' ``preserve_batch`` does) instead of ``(0,)``. Raises ValueError on
+    every worker, active or not, unless ``x_global`` has ``P.dim`` dimensions.
+    """
     if x_global.dim() != P.dim:
         raise ValueError(f"scatter: expected a tensor of {P.dim} dimensions for a partition of shape {P.shape}, "
                          f"got shape {tuple(x_global.shape)}")
+    if not P.active:
+        b = x_global.shape[0] if preserve_batch and x_global.dim() else None
+        return zero_volume_tensor(b, dtype=x_global.dtype, device=x_global.device)
     start = compute_start_index(P.shape, P.index, x_global.shape)
     stop = compute_stop_index(P.shape, P.index, x_global.shape)
     return x_global[tuple(slice(a, b) for a, b in zip(start, stop))].clone()
@@ -129,8 +134,13 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     hold theirs (from the same cotangent) on return, for the caller to compare. Returns this worker's
     ``(x_local, y_local)``. ``rtol`` and ``atol``, each where not given, follow ``x_global``'s dtype: 1e-7 and
     1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for the other dtypes.
+    ``x_global`` must be of a floating or complex dtype (the input gradient is compared): any other raises
+    TypeError on every worker, before any communication.
     """
-    default_rtol, default_atol = _TOLERANCES.get(x_global.dtype, (0.0, 0.0))  # integers: exact
+    if not (x_global.is_floating_point() or x_global.is_complex()):
+        raise TypeError(f"assert_sequential_equivalence: expected x_global of a floating or complex dtype (its "
+                        f"input gradient is compared), got {x_global.dtype}")
+    default_rtol, default_atol = _TOLERANCES.get(x_global.dtype, (0.0, 0.0))  # a dtype without an entry: exact
     rtol, atol = default_rtol if rtol is None else rtol, default_atol if atol is None else atol
     x_ref = x_global.detach().clone().requires_grad_()
     y_ref = sequential(x_ref)

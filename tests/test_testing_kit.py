@@ -95,3 +95,29 @@ def test_gather_refuses_blocks_it_would_cast_or_misplace(P_world, comm):
         gather(x.float() if comm.rank == 1 else x, P)
     with pytest.raises(ValueError, match="gather: expected the blocks of a balanced decomposition"):
         gather(torch.ones(3 if comm.rank == 0 else 1), P)
+
+
+@sizes(1, 2)
+def test_sequential_equivalence_refuses_integer_input(P_world, comm):
+    """An integer x_global raises TypeError naming the kit on every worker, before any communication (it raised
+    torch's "only Tensors of floating point dtype can require gradients"); the next calls pair up."""
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+
+    def distributed(x):
+        raise AssertionError("called")  # the check comes first
+    with pytest.raises(TypeError, match=r"assert_sequential_equivalence: expected x_global of a floating or "
+                                        r"complex dtype \(its input gradient is compared\), got torch.int64"):
+        assert_sequential_equivalence(distributed, lambda x: x, torch.arange(2 * comm.size), P, P)
+    assert_sequential_equivalence(lambda x: x.clone(), lambda x: x, random_tensor((5,), seed=2), P, P)
+
+
+@sizes(2, 3)
+def test_scatter_checks_the_dimension_on_every_worker(P_world, comm):
+    """Workers outside P raise too (they returned a zero-volume tensor before the check); preserve_batch keeps
+    the batch extent there."""
+    P = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    with pytest.raises(ValueError, match=r"scatter: expected a tensor of 2 dimensions for a partition of shape "
+                                         r"\(1, 1\), got shape \(4,\)"):
+        scatter(torch.ones(4), P)
+    assert scatter(torch.ones(3, 4), P).shape == ((3, 4) if comm.rank == 0 else (0,))
+    assert scatter(torch.ones(3, 4), P, preserve_batch=True).shape == ((3, 4) if comm.rank == 0 else (3, 0))

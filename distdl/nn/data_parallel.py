@@ -200,6 +200,15 @@ class DataParallel(torch.nn.Module):
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. A backward that raises (on
     every member) leaves sums in flight: the next forward through the wrapper completes them (a collective) and
     drops that step's gradients; zero the gradients before the next backward, as after any step.
+
+    Args:
+        module: the replica; the members of ``P`` must hold the same parameters (dtypes, shapes, order).
+        P: the partition of replicas, as for :func:`all_reduce_gradients`.
+        bucket_cap_mb: the most megabytes of small gradients reduced in one sum (default 25). It comes third here,
+            ``DataParallel(module, P, bucket_cap_mb, op)``, but fourth in ``all_reduce_gradients(module, P, op,
+            bucket_cap_mb)``: pass it and ``op`` by keyword.
+        op: ``"avg"`` (sum divided by ``P.size``) or ``"sum"``.
+        broadcast_buffers: broadcast the buffers from rank 0 of ``P`` at every forward with grad mode on.
     """
 
     def __init__(self, module: torch.nn.Module, P: MPIPartition, bucket_cap_mb: float = 25,

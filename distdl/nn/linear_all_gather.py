@@ -80,11 +80,15 @@ def check_axis(where: str, P: MPIPartition, axis: object) -> int:
 
 
 def check_operands(where: str, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """Raise TypeError/ValueError unless ``weight`` is a matrix of ``x``'s floating dtype."""
+    """Raise TypeError/ValueError unless ``weight`` is a matrix of ``x``'s real floating dtype (the rings'
+    backward does not conjugate: complex is refused)."""
     check_tensor(where, x)
     check_tensor(where, weight)
     if weight.dim() != 2:
         raise ValueError(f"{where}: expected a weight of 2 dimensions, got shape {tuple(weight.shape)}")
+    if weight.dtype == x.dtype and x.is_complex():
+        raise TypeError(f"{where}: expected x and weight of one real floating dtype, got complex {x.dtype} (complex "
+                        "is not supported)")
     if weight.dtype != x.dtype or not x.is_floating_point():
         raise TypeError(f"{where}: expected x and weight of one floating dtype, got {x.dtype} and {weight.dtype}")
 

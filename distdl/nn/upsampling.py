@@ -89,8 +89,14 @@ class DistributedUpsample(torch.nn.Module):
 
     Args:
         P_x: the input (and output) partition, of dimension 3 to 5.
+        size: the global output's spatial extents, an int or one per spatial dimension (DistDL took the whole
+            output shape, batch and channels included).
+        scale_factor: torch's; exactly one of ``size`` and ``scale_factor``.
         mode: ``'nearest'``, ``'nearest-exact'``, or ``'linear'``/``'bilinear'``/``'trilinear'`` for 1/2/3
-            spatial dimensions; the other arguments are torch's (``size`` is the global output size).
+            spatial dimensions (as torch's: ``'linear'`` is not DistDL's N-linear).
+        align_corners: None with the nearest modes, as torch's (DistDL's default False is refused).
+        recompute_scale_factor: with ``scale_factor``, ``True`` interpolates at the scale of the output extents
+            (``n / floor(n * scale_factor)``), ``False`` or ``None`` at ``scale_factor`` itself, as torch's.
     Raises:
         ValueError: a partition of the wrong dimension, an unsupported mode, or arguments torch would reject.
     """
