@@ -286,3 +286,23 @@ def test_pack_buffers_live_until_their_sends_complete(P_world, comm, monkeypatch
             assert torch.equal(y[:, :2], torch.full((rows, 2), float(comm.rank - 1)))
         if i < 2:
             assert torch.equal(y[:, n - 2:], torch.full((rows, 2), float(comm.rank + 1)))
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("op", [halo_exchange, halo_exchange_adjoint])
+def test_check_mode_names_neighbours_built_with_other_widths(P_world, comm, op):
+    """Worker 0 sends its right neighbour 1 slice where that one receives 2: outside check mode the receiver alone
+    raised; check mode raises on every worker, naming it, and the next call pairs up."""
+    from distdl.checks import CollectiveMismatchError, checking
+    n, r = comm.size, comm.rank
+    P_x = P_world.create_cartesian_topology_partition([n])
+    halo = [[2 if r > 0 else 0, 2 if r < n - 1 else 0]]
+    x = random_tensor((6,), seed=r)
+    wrong = [[halo[0][0], 1 if r == 0 and n > 1 else halo[0][1]]]
+    outgoing = "recv" if op is halo_exchange_adjoint else "send"  # the widths whose slabs go out
+    with checking():
+        with pytest.raises(CollectiveMismatchError, match=r"ranks disagree on slabs from the neighbours: .*rank 1 "
+                                                          r"has 2 elements expected from the left neighbour"):
+            op(x, P_x, halo, wrong if outgoing == "recv" else halo, wrong if outgoing == "send" else halo)
+        checked = op(x, P_x, halo, halo, halo)
+    torch.testing.assert_close(checked, op(x, P_x, halo, halo, halo))

@@ -37,7 +37,7 @@ from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
                                        load_anchor, save_anchor)
-from distdl.checks import announce, verify
+from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 
@@ -45,7 +45,8 @@ __all__ = ["halo_exchange", "halo_exchange_adjoint"]
 
 Widths = Sequence[Sequence[int]] | np.ndarray | torch.Tensor  # (P_x.dim, 2): [left, right] per dimension
 
-_TAG = 0x4841  # base tag; a message travelling right along dimension d has tag _TAG + 2d, left _TAG + 2d + 1
+_TAG = 0x4841  # base tag; a message to the left neighbour along dimension d has tag _TAG + 2d, to the right + 1
+_CHECK_TAG = 0x4800  # the same for check mode's slab sizes (dimensions < 32 stay below _TAG)
 _MAX_SCRATCH = 64  # pack/unpack buffers cached per partition (per slab shape, dtype and device)
 
 
@@ -65,8 +66,9 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
     Raises:
         TypeError: ``x`` not a tensor, ``P_x`` not a partition, non-integer widths.
         ValueError: widths of the wrong shape, negative, not fitting in ``x``; ``x`` of the wrong
-            dimension; data on a worker outside ``P_x``; on the receiving worker (alone: its neighbour is not
-            told, and check mode does not compare widths), a neighbour sending a slab of another size.
+            dimension; data on a worker outside ``P_x``; on the receiving worker, a neighbour sending a slab of
+            another size (that worker alone: the neighbour is not told; check mode compares the slab sizes with
+            each neighbour first and raises ``CollectiveMismatchError`` on every worker, naming the receivers).
     """
     try:
         widths = _validate("halo_exchange", x, P_x, halo_shape, recv_buffer_shape, send_buffer_shape)
@@ -76,6 +78,8 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
     verify("halo_exchange", P_x, x, ("dim", "dtype", "device"))
     if not P_x.active:
         return in_graph(x).clone()  # backward runs here too
+    if check_mode():
+        _check_slabs("halo_exchange", tuple(x.shape), P_x, widths, adjoint=False)
     return _HaloExchange.apply(in_graph(x), P_x, widths)
 
 
@@ -96,6 +100,8 @@ def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths
     verify("halo_exchange_adjoint", P_x, y, ("dim", "dtype", "device"))
     if not P_x.active:
         return in_graph(y).clone()  # backward runs here too
+    if check_mode():
+        _check_slabs("halo_exchange_adjoint", tuple(y.shape), P_x, widths, adjoint=True)
     return _HaloExchangeAdjoint.apply(in_graph(y), P_x, widths)
 
 
@@ -204,6 +210,27 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
                 into.copy_(arrival)
     if error is not None:
         raise error
+
+
+def _check_slabs(where: str, shape: tuple[int, ...], P_x: MPIPartition, widths, adjoint: bool) -> None:
+    """Check mode: tell each neighbour how many elements this worker will send it, and check what each will send
+    here against what this worker receives; a mismatch (neighbours built with other widths) raises
+    CollectiveMismatchError on every member of ``P_x``, naming the workers that found one."""
+    halo, recv, send = widths
+    outgoing, incoming = (recv, send) if adjoint else (send, recv)
+    found = []
+    for d in range(len(shape)):
+        others = int(np.prod(shape[:d] + shape[d + 1:]))
+        for side, peer in enumerate(neighbors(P_x)[d]):
+            if peer == MPI.PROC_NULL:
+                continue
+            sending, expected = np.array([outgoing[d][side] * others]), incoming[d][side] * others
+            coming = np.empty(1, dtype=sending.dtype)
+            P_x.comm.Sendrecv(sending, peer, _CHECK_TAG + 2 * d + side, coming, peer, _CHECK_TAG + 2 * d + 1 - side)
+            if coming[0] != expected:
+                found.append(f"{expected} elements expected from the {('left', 'right')[side]} neighbour (rank "
+                             f"{peer} of P_x) along dimension {d}, which sends {coming[0]}")
+    verify(where, P_x, agree={"slabs from the neighbours": "; ".join(found) or "as expected"})
 
 
 def neighbors(P_x: MPIPartition) -> tuple[tuple[int, int], ...]:
