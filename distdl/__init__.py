@@ -4,7 +4,7 @@ Importing distdl writes nothing: it logs through ``logging.getLogger("distdl")``
 ``NullHandler``; attach your own handler to see the messages), and it installs the hooks of
 :mod:`distdl.abort` so that an uncaught exception on any rank ends the whole MPI job (opt out with
 ``DISTDL_ABORT_ON_ERROR=0``). Check mode (:mod:`distdl.checks`; ``DISTDL_CHECK=1`` or
-:func:`set_check_mode`) makes every collective first verify that all its ranks agree on the call.
+:func:`~distdl.checks.set_check_mode`) makes every collective first verify that all its ranks agree on the call.
 """
 
 import logging

@@ -28,7 +28,9 @@ html_theme_options = {"description": "exact-adjoint distributed deep learning ov
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
-autodoc_default_options = {"members": True}
+# No default "members": each page names what it documents (with Sphinx 9 a default of True documents a
+# module's whole __all__, internal helpers included, whatever the page lists).
+autodoc_default_options = {}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_ivar = True

@@ -89,8 +89,9 @@ def _lazy(t: torch.Tensor) -> bool:
 
 def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Return ``t`` as a contiguous tensor of ``dtype`` whose memory holds its values (no copy when it
-    already is one); a lazy tensor (see :func:`_lazy`) is materialised, since MPI sees only memory, and a
-    sparse one (a cotangent: the gradient of ``F.embedding(..., sparse=True)``) made dense."""
+    already is one); a lazy tensor (a conjugate or negative bit set, or a zero tensor) is materialised, since
+    MPI sees only memory, and a sparse one (a cotangent: the gradient of ``F.embedding(..., sparse=True)``)
+    made dense."""
     if t.layout != torch.strided:
         t = t.to_dense()
     if dtype is not None and dtype != t.dtype:  # a no-op ``t.to(dtype)`` still costs ~1 us

@@ -14,9 +14,10 @@ outside P_x                   passes and gets a zero-volume tensor
 
 Partition axis ``k`` gathers tensor dimension ``k``. Block extents are exchanged every call (a
 small header per member), so a smaller last batch works; they must follow the balanced
-decomposition, which makes :func:`reduce_scatter` the exact adjoint. In fibres of up to 8
-workers, blocks of up to 1 KiB travel with the headers (one collective). As the adjoint of
-:func:`reduce_scatter` in a backward, the block shapes are known and no header round runs.
+decomposition, which makes :func:`~distdl.functional.reduce_scatter.reduce_scatter` the exact
+adjoint. In fibres of up to 8 workers, blocks of up to 1 KiB travel with the headers (one
+collective). As the adjoint of :func:`~distdl.functional.reduce_scatter.reduce_scatter` in a
+backward, the block shapes are known and no header round runs.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ Partition axis ``k`` splits tensor dimension ``k``; along it the first ``n % p``
 fibre get one extra element (no padding is visible). float16/bfloat16 are summed in float32.
 Members exchange headers each call (members that disagree in shape or dtype all raise); in fibres
 of up to 8 workers, tensors of up to 1 KiB travel with them and are summed locally (one collective).
-As the adjoint of :func:`all_gather` in a backward, the shapes already agree and no header round
-runs.
+As the adjoint of :func:`~distdl.functional.all_gather.all_gather` in a backward, the shapes already
+agree and no header round runs.
 """
 
 from __future__ import annotations
