@@ -22,11 +22,11 @@ def _pair(P_x, x_shape, dtype=torch.float64, **kwargs):
     """A distributed layer and the torch layer, with the same random affine parameters."""
     ref = TORCH_BN[len(x_shape)](x_shape[1], **kwargs).to(dtype)
     layer = DistributedBatchNorm(P_x, x_shape[1], **kwargs).to(dtype)
-    if ref.affine:
-        with torch.no_grad():
-            for name in ("weight", "bias"):
-                getattr(ref, name).copy_(random_tensor((x_shape[1],), seed=len(name)))
-                getattr(layer, name).copy_(getattr(ref, name))
+    assert [name for name, _ in layer.named_parameters()] == [name for name, _ in ref.named_parameters()]
+    with torch.no_grad():
+        for name, parameter in ref.named_parameters():
+            parameter.copy_(random_tensor((x_shape[1],), seed=len(name)))
+            getattr(layer, name).copy_(parameter)
     return layer, ref
 
 
@@ -36,8 +36,8 @@ def _check_steps(P_x, layer, ref, x_shape, steps=3, dtype=torch.float64, tol=1e-
         x = (random_tensor(shape, seed=10 * step + 1) * 2 + 3).to(dtype)
         assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=step, rtol=tol, atol=tol)
         if P_x.active:
-            for name in ("weight", "bias") if ref.affine else ():
-                torch.testing.assert_close(getattr(layer, name).grad, getattr(ref, name).grad, rtol=tol, atol=tol)
+            for name, parameter in ref.named_parameters():
+                torch.testing.assert_close(getattr(layer, name).grad, parameter.grad, rtol=tol, atol=tol)
             for name in ("running_mean", "running_var") if ref.track_running_stats else ():
                 torch.testing.assert_close(getattr(layer, name), getattr(ref, name), rtol=tol, atol=tol)
             if ref.track_running_stats:
@@ -61,8 +61,11 @@ def test_training_and_eval_match_torch(P_world, comm):
 def test_options_and_float32(P_world, comm):
     P_shape, x_shape = CASES[comm.size][0]
     P_x = P_world.create_cartesian_topology_partition(P_shape)
-    for kwargs in ({"momentum": None}, {"track_running_stats": False}, {"affine": False, "eps": 1e-3}):
+    for kwargs in ({"momentum": None}, {"track_running_stats": False}, {"affine": False, "eps": 1e-3},
+                   {"bias": False}, {"affine": False, "bias": False}):
         layer, ref = _pair(P_x, x_shape, **kwargs)
+        assert repr(ref).split("(", 1)[1][:-1] in repr(layer)  # torch's arguments, as torch names them
+        assert list(layer.state_dict()) == list(ref.state_dict())
         _check_steps(P_x, layer, ref, x_shape, steps=2)
         layer.eval()
         ref.eval()

@@ -73,6 +73,7 @@ def test_options_and_float32(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition(P_shape)
     for kwargs in ({"elementwise_affine": False}, {"bias": False, "eps": 1e-2}):
         layer, ref = _pair(P_x, normalized_shape, **kwargs)
+        assert repr(ref).split("(", 1)[1][:-1] in repr(layer)  # torch's arguments, as torch names them
         _check(P_x, layer, ref, x_shape, calls=1)
     layer, ref = _pair(P_x, normalized_shape, dtype=torch.float32)
     _check(P_x, layer, ref, x_shape, dtype=torch.float32, tol=1e-5, calls=1)

@@ -98,6 +98,9 @@ def test_errors(P_world, comm):
     for factor, expected in ((np.float32(2.5), 2.5), (torch.tensor(2.5), 2.5), ([np.int64(2)], 2.0)):  # as torch
         assert DistributedUpsample(P_x, scale_factor=factor).scale_factor == (expected,)
     layer = DistributedUpsample(P_x, scale_factor=2, mode="linear")
+    assert repr(layer).startswith("DistributedUpsample(scale_factor=(2.0,), mode='linear', P_x shape=")  # as torch
+    assert "size=(6,), mode='linear', align_corners=True," in repr(
+        DistributedUpsample(P_x, size=6, mode="linear", align_corners=True))
     with pytest.raises(ValueError, match=r"DistributedUpsample: expected a tensor of 3 dimensions"):
         layer(torch.ones(2, 4))
     with pytest.raises(TypeError, match="expected a floating-point tensor for mode 'linear', got torch.int64"):

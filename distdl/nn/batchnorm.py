@@ -141,6 +141,7 @@ class _BatchNorm(torch.autograd.Function):
             sums = all_sum_reduce(_sums(dy, x, mean, invstd), ctx.P_x, axes_reduce=ctx.axes)
             if ctx.weight_dtype is not None:
                 grad_weight, grad_bias = sums.to(ctx.weight_dtype)
+                grad_bias = grad_bias if ctx.needs_input_grad[2] else None  # bias=False: no bias
         if ctx.count is None:
             grad_x = _affine(dy, torch.zeros_like(mean), scale, torch.zeros_like(mean))
         else:
@@ -167,7 +168,8 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
 
     def __init__(self, P_x: MPIPartition, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
                  affine: bool = True, track_running_stats: bool = True, collect_state: bool = False,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 bias: bool = True) -> None:
         super().__init__()
         name = type(self).__name__
         check_partition(name, "P_x", P_x)
@@ -176,16 +178,18 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             raise ValueError(f"{name}: expected a partition of at least 2 dimensions whose channel axis (1) has "
                              f"extent 1, got shape {P_x.shape}")
         self.P_x, self.num_features, self.eps, self.momentum = P_x, num_features, eps, momentum
-        self.affine, self.track_running_stats, self.collect_state = check_flags(
-            name, affine=affine, track_running_stats=track_running_stats, collect_state=collect_state)
+        self.affine, self.track_running_stats, self.collect_state, use_bias = check_flags(
+            name, affine=affine, track_running_stats=track_running_stats, collect_state=collect_state, bias=bias)
         self.axes = tuple(range(P_x.dim))
         fibre(P_x, self.axes)  # the communicator is built here, once
         factory = {"device": device, "dtype": dtype}
         if affine:
             self.weight = torch.nn.Parameter(torch.ones(num_features, **factory))
-            self.bias = torch.nn.Parameter(torch.zeros(num_features, **factory))
         else:
             self.register_parameter("weight", None)
+        if affine and use_bias:  # as torch: bias=False drops the bias only (of an affine norm)
+            self.bias = torch.nn.Parameter(torch.zeros(num_features, **factory))
+        else:
             self.register_parameter("bias", None)
         if track_running_stats:
             self.register_buffer("running_mean", torch.zeros(num_features, **factory))
@@ -206,8 +210,9 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
     def reset_parameters(self) -> None:
         """Reset the running statistics, the weight to ones and the bias to zeros, as torch does."""
         self.reset_running_stats()
-        if self.affine:
+        if self.weight is not None:
             self.weight.fill_(1)
+        if self.bias is not None:
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,4 +268,5 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
-                f"track_running_stats={self.track_running_stats}, P_x shape={self.P_x.shape}")
+                f"bias={self.bias is not None}, track_running_stats={self.track_running_stats}, "
+                f"P_x shape={self.P_x.shape}")

@@ -117,4 +117,4 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
-                f"P_x shape={self.P_x.shape}, local shape={self.local_shape}")
+                f"bias={self.bias is not None}, P_x shape={self.P_x.shape}, local shape={self.local_shape}")

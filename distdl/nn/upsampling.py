@@ -178,5 +178,7 @@ class DistributedUpsample(torch.nn.Module):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (f"size={self.size}, scale_factor={self.scale_factor}, mode={self.mode!r}, "
-                f"align_corners={self.align_corners}, P_x shape={self.P_x.shape}")
+        # as torch's: the size or the scale factor (whichever was given), the mode; then what else was given
+        info = f"size={self.size}" if self.scale_factor is None else f"scale_factor={self.scale_factor}"
+        corners = "" if self.align_corners is None else f", align_corners={self.align_corners}"
+        return f"{info}, mode={self.mode!r}{corners}, P_x shape={self.P_x.shape}"
