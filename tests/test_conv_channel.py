@@ -190,6 +190,24 @@ def test_initialisation_and_state_dict_round_trip(P_world, comm):
     assert local["weight"].shape == (block(ref.weight, P_w, (0, 1)).shape if P_w.active else layer.weight.shape)
 
 
+@sizes(3, 4)
+def test_state_dict_with_the_root_outside_the_bias_column(P_world, comm):
+    """World rank 0 holds no bias block (it is in column 1 of P_w): the bias still loads from its checkpoint
+    and is saved back there."""
+    P_w_shape, x_ranks, w_ranks, y_ranks, x_shape, out_channels, kwargs = CASES[comm.size][{3: 0, 4: 2}[comm.size]]
+    P_x, P_y, P_w = channel_partitions(P_world, P_w_shape, x_ranks, w_ranks, y_ranks)
+    _, ref = make_pair(LAYERS, P_x, P_y, P_w, (0, 1), x_shape, out_channels, **kwargs)
+    layer = LAYERS[len(x_shape) - 2][0](P_x, P_y, P_w, x_shape[1], out_channels, collect_state=True,
+                                        **kwargs).double()
+    assert not (comm.rank == 0 and layer.holds_bias)
+    layer.load_state_dict(ref.state_dict() if comm.rank == 0 else {})
+    check(layer, ref, P_x, P_y, P_w, (0, 1), x_shape, calls=1)
+    state = layer.state_dict()
+    assert list(state) == (["weight", "bias"] if comm.rank == 0 else [])
+    for key, value in state.items():
+        assert torch.equal(value, ref.state_dict()[key])
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     n = comm.size

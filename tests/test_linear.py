@@ -100,6 +100,25 @@ def test_state_dict_round_trip(P_world, comm):
     assert local["weight"].shape == _block(ref.weight, P_w).shape
 
 
+@sizes(2, 3, 4)
+def test_state_dict_with_the_root_outside_the_bias_column(P_world, comm):
+    """World rank 0 holds no bias block (outside P_w, or outside its column 0): the bias still loads from its
+    checkpoint and is saved back there."""
+    n = comm.size
+    x_ranks, w_ranks, y_ranks, P_w_shape = {2: ([0], [1], [0], (1, 1)), 3: ([2, 1], [2, 0], [1], (1, 2)),
+                                            4: ([3], [1, 2], [0, 2], (2, 1))}[n]
+    P_x, P_y, P_w = _partitions(P_world, P_w_shape, x_ranks, w_ranks, y_ranks)
+    _, ref = _pair(P_x, P_y, P_w, 5, 7)
+    layer = DistributedLinear(P_x, P_y, P_w, 5, 7, collect_state=True).double()
+    assert not (comm.rank == 0 and layer.holds_bias)
+    layer.load_state_dict(ref.state_dict() if comm.rank == 0 else {})
+    assert_sequential_equivalence(layer, ref, random_tensor((3, 5), seed=2), P_x, P_y, rtol=1e-12)
+    state = layer.state_dict()
+    assert list(state) == (["weight", "bias"] if comm.rank == 0 else [])
+    for key, value in state.items():
+        assert torch.equal(value, ref.state_dict()[key])
+
+
 @sizes(4)
 def test_initialisation(P_world, comm):
     """Blocks of one global U(-1/sqrt(in), 1/sqrt(in)) draw, whatever each worker's seed."""

@@ -133,10 +133,8 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
     def _state_partition(self) -> MPIPartition:
         return self.P_w  # the parameters live on P_w
 
-    def _load_from_state_dict(self, state_dict, prefix, *args):
-        if self.use_bias and not self.holds_bias:
-            state_dict.pop(prefix + "bias", None)  # only column 0 of P_w holds a bias block
-        super()._load_from_state_dict(state_dict, prefix, *args)
+    def _held_elsewhere(self) -> set[str]:
+        return {"bias"} if self.use_bias and not self.holds_bias else set()  # column 0 of P_w holds the bias
 
     def _check_block(self, name: str, x: torch.Tensor) -> None:
         """Check this worker's block of ``x`` (a worker of ``P_x``; no communication)."""

@@ -121,6 +121,11 @@ class CollectStateMixin:
         """Return the layout of every split tensor by name; the others are replicated."""
         return {}
 
+    def _held_elsewhere(self) -> set[str]:
+        """Return the names of the layer's tensors that this worker holds no block of (a bias held by column 0 of
+        ``P_w`` only): a state dict's entry for one is another worker's to load."""
+        return set()
+
     def _state_tensors(self) -> dict[str, tuple[torch.Tensor, StateLayout]]:
         layouts = self._state_layouts()
         tensors = {**self._parameters, **{k: v for k, v in self._buffers.items()
@@ -166,8 +171,8 @@ class CollectStateMixin:
                 destination.pop(key, None)
             if P._root.rank == 0 and holder not in (None, 0):  # P's rank 0 hands the layer's state over here
                 received = P._root.recv(source=holder, tag=_STATE_TAG)
-                destination.update({key: value.to(tensors[key[len(prefix):]][0].device)
-                                    for key, value in received.items()})
+                device = next((t.device for t, _ in tensors.values()), "cpu")  # also for tensors held elsewhere
+                destination.update({key: value.to(device) for key, value in received.items()})
             return
         for name, (t, layout) in split.items():
             blocks = {index: held[name] for index, held in pieces if name in held}
@@ -184,6 +189,8 @@ class CollectStateMixin:
             check_unparametrized("load_state_dict", self)
             self._receive_state(state_dict, prefix)
             self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
+        for name in self._held_elsewhere():  # not unexpected here: after _receive_state, which may send it on
+            state_dict.pop(prefix + name, None)
         found = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -198,7 +205,7 @@ class CollectStateMixin:
         holder = _holder(P)
         if holder in (None, 0):
             return
-        keys = [prefix + name for name in self._state_tensors()]
+        keys = [prefix + name for name in {*self._state_tensors(), *self._held_elsewhere()}]
         if P._root.rank == 0:
             P._root.send({key: state_dict[key] for key in keys if key in state_dict}, dest=holder, tag=_STATE_TAG)
         elif P.rank == 0:
