@@ -174,14 +174,19 @@ class MPIPartition:
         self._cache: dict = {}
         self._finalizer = None
         self._freed = False
+        # The root ranks of the sub-grid this partition was made within by create_subpartition (each worker's own,
+        # unknown outside its parent), where it was: then it joins only partitions within that sub-grid.
+        self._fibre: frozenset[int] | None = None
         if owned and comm != MPI.COMM_NULL:
             global _live_communicators
             _live_communicators += 1
             self._finalizer = weakref.finalize(self, _release, comm)
             self._finalizer.atexit = False
 
-    def _derive(self, members: tuple[int, ...] | None, shape: tuple[int, ...], tag: int = 0) -> MPIPartition:
-        """Return the partition of ``members`` (root ranks) with ``shape``; collective over the members."""
+    def _derive(self, members: tuple[int, ...] | None, shape: tuple[int, ...], tag: int = 0,
+                fibre: frozenset[int] | None = None) -> MPIPartition:
+        """Return the partition of ``members`` (root ranks) with ``shape``, made within this partition's sub-grid
+        or ``fibre`` (see ``_fibre``); collective over the members."""
         self._check_live("MPIPartition")
         free_released()
         comm = MPI.COMM_NULL
@@ -193,6 +198,7 @@ class MPIPartition:
             root_group.Free()
         partition = MPIPartition.__new__(MPIPartition)
         partition._init(self._root, members, shape, comm, owned=True)
+        partition._fibre = self._fibre if fibre is None else fibre
         return partition
 
     def _agree(self, where: str, **facts: Any) -> None:
@@ -207,6 +213,17 @@ class MPIPartition:
                              f"{self._root.rank}: it was made by create_subpartition on a worker outside "
                              "its parent; derive partitions from ones this worker knows")
         return self._members
+
+    def _check_joinable(self, where: str, other: MPIPartition) -> None:
+        """ValueError where this partition or ``other`` is a worker's own sub-grid (made by create_subpartition)
+        and the other has workers outside that sub-grid: those workers see another sub-grid there (or none), so
+        the partition joining both would differ between its workers (mixed groups, or a hang)."""
+        for P, Q in ((self, other), (other, self)):
+            outside = sorted(set(Q._members) - P._fibre) if P._fibre is not None else []
+            if outside:
+                raise ValueError(f"{where}: a partition made by create_subpartition is each worker's own sub-grid "
+                                 f"(unknown outside its parent), so it joins only partitions within that sub-grid "
+                                 f"(root ranks {sorted(P._fibre)}); got one with root ranks {outside} outside it")
 
     def _check_ranks(self, where: str, ranks: Iterable[int]) -> tuple[int, ...]:
         ranks = _as_int_tuple(ranks, "ranks", where)
@@ -261,8 +278,10 @@ class MPIPartition:
         self._check_same_root("create_partition_union", other)
         mine = self._require_members("create_partition_union")
         theirs = other._require_members("create_partition_union")
+        self._check_joinable("create_partition_union", other)
         members = mine + tuple(m for m in theirs if m not in set(mine))
-        return self._derive(members, (len(members),))
+        fibres = [P._fibre for P in (self, other) if P._fibre is not None]
+        return self._derive(members, (len(members),), fibre=frozenset.intersection(*fibres) if fibres else None)
 
     def create_cartesian_topology_partition(self, shape: Sequence[int]) -> MPIPartition:
         """Return the same workers arranged as a grid of ``shape`` (row-major rank order)."""
@@ -291,11 +310,12 @@ class MPIPartition:
         axes = self._check_axes("create_subpartition", axes)
         shape = tuple(self.shape[a] for a in axes)
         if not self.active:
-            return self._derive(None, shape)
+            return self._derive(None, shape, fibre=frozenset())
         self._agree("create_subpartition", axes=axes)
         grid = np.arange(self.size).reshape(self.shape)
-        fibre = grid[tuple(slice(None) if a in axes else i for a, i in enumerate(self.index))]
-        return self._derive(tuple(self._members[r] for r in fibre.ravel()), shape)
+        fibre = tuple(self._members[r] for r in grid[tuple(slice(None) if a in axes else i
+                                                           for a, i in enumerate(self.index))].ravel())
+        return self._derive(fibre, shape, fibre=frozenset(fibre))
 
     def create_cartesian_subtopology_partition(self, remain_dims: Sequence[bool]) -> MPIPartition:
         """Return the sub-grid keeping the axes flagged in ``remain_dims`` (as ``MPI_Cart_sub``)."""
@@ -431,15 +451,17 @@ class MPIPartition:
         """The members' ranks in the root communicator, in partition rank order."""
         return self._members
 
-    def cartesian_index(self, rank: int) -> tuple[int, ...]:
+    def cartesian_index(self, rank: int, where: str = "cartesian_index") -> tuple[int, ...]:
         """Return the grid coordinates of partition rank ``rank`` (row-major)."""
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, (bool, np.bool_)):
+            raise TypeError(f"{where}: expected an int rank, got {rank!r}")
         if not 0 <= rank < self.size:
-            raise ValueError(f"cartesian_index: expected a rank in [0, {self.size}), got {rank}")
+            raise ValueError(f"{where}: expected a rank in [0, {self.size}), got {rank}")
         return tuple(int(i) for i in np.unravel_index(rank, self._shape))
 
     def neighbor_ranks(self, rank: int) -> list[tuple[int, int]]:
         """Return, per axis, the (left, right) neighbours of ``rank``; ``MPI.PROC_NULL`` at edges."""
-        index = self.cartesian_index(rank)
+        index = self.cartesian_index(rank, "neighbor_ranks")
         neighbors = []
         for axis, extent in enumerate(self._shape):
             pair = []
@@ -466,7 +488,7 @@ class MPIPartition:
         """Return every member's ``data`` stacked along a new first axis; ``None`` if inactive."""
         if not self.active:
             return None
-        return np.stack(self._comm.allgather(np.asarray(data)))
+        return _stacked("allgather_data", self._comm.allgather(np.asarray(data)), self.root_ranks)
 
     def allreduce_data(self, data: Any, op: str = "sum") -> np.ndarray | None:
         """Return the elementwise reduction (``sum``, ``prod``, ``max``, ``min``) of ``data`` over members.
@@ -475,9 +497,11 @@ class MPIPartition:
         """
         if op not in _REDUCE_OPS:
             raise ValueError(f"allreduce_data: expected op in {sorted(_REDUCE_OPS)}, got {op!r}")
-        gathered = self.allgather_data(data)
-        if gathered is None:
+        if not self.active:
             return None
+        gathered = _stacked("allreduce_data", self._comm.allgather(np.asarray(data)), self.root_ranks)
+        if gathered.dtype.kind not in "biufc":  # the same on every member: each has every member's data
+            raise TypeError(f"allreduce_data: expected numeric data, got {gathered.dtype}")
         return _REDUCE_OPS[op].reduce(gathered, axis=0, dtype=gathered.dtype)
 
     # -- lifetime and comparison ------------------------------------------------------------
@@ -543,6 +567,16 @@ class MPIPartition:
         return f"MPIPartition(shape={self.shape}, rank={self.rank}, index={self.index})"
 
 
+def _stacked(where: str, arrays: list[np.ndarray], root_ranks: tuple[int, ...]) -> np.ndarray:
+    """Return the members' ``arrays`` stacked; ValueError (on every member: each has them all) unless their shapes
+    agree."""
+    shapes = [a.shape for a in arrays]
+    if any(shape != shapes[0] for shape in shapes):
+        seen = ", ".join(f"{shape} on root rank {r}" for shape, r in zip(shapes, root_ranks))
+        raise ValueError(f"{where}: expected data of one shape on every member, got {seen}")
+    return np.stack(arrays)
+
+
 def _broadcast_groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,
                       transpose_dest: bool) -> list[tuple[tuple[int, ...], bool]]:
     """Return, per source worker, ``(source, *other destinations)`` as root ranks and whether the
@@ -560,6 +594,7 @@ def _broadcast_groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, tra
         return []
     src_members = P_src._require_members(where)
     dest_members = P_dest._require_members(where)
+    P_src._check_joinable(where, P_dest)
 
     def grid(shape: tuple[int, ...], transpose: bool) -> np.ndarray:
         ranks = np.arange(int(np.prod(shape))).reshape(shape)

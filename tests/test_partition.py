@@ -7,8 +7,10 @@ import pytest
 from mpi4py import MPI
 
 from distdl import MPIPartition, checking
+from distdl.functional import repartition
 from distdl.partition import live_communicators
 from distdl.utilities import settings
+from distdl.utilities.torch import zero_volume_tensor
 from helpers import sizes
 
 
@@ -102,6 +104,29 @@ def test_subpartitions(P_world, comm):
     assert (alone.shape, alone.size, alone.index, alone.comm.size) == ((), 1, (), 1)
 
 
+@sizes(2, 3, 4)
+def test_a_sub_grid_joins_only_partitions_within_it(P_world, comm):
+    """A sub-grid is each worker's own (unknown outside its parent): joined with a partition reaching outside it,
+    every worker raises instead of building a mixed group or hanging."""
+    n = comm.size
+    if n % 2 == 0:  # a row of a (2, n / 2) grid: one each
+        rows = P_world.create_cartesian_topology_partition((2, n // 2)).create_subpartition([1])
+    else:  # the one row of ranks 0 and 1, unknown on rank 2
+        rows = P_world.create_partition_inclusive([0, 1]).create_subpartition([0])
+    # within its sub-grid each worker's sub-grid joins its own parts: every row builds its own partition
+    if rows.active:
+        first = rows.create_partition_inclusive([0])
+        assert first.create_partition_union(rows).root_ranks == rows.root_ranks
+        P_send, P_recv = first.create_broadcast_partition_to(rows)
+        assert P_recv.root_ranks == rows.root_ranks
+    outside = P_world.create_partition_inclusive([0, n - 1])  # reaching outside every row
+    for join in (lambda: rows.create_partition_union(outside), lambda: outside.create_partition_union(rows),
+                 lambda: rows.create_broadcast_partition_to(outside),
+                 lambda: repartition(zero_volume_tensor(), outside, rows)):
+        with pytest.raises(ValueError, match="create_subpartition"):
+            join()
+
+
 @sizes(3, 4)
 def test_inactive_workers_get_well_defined_values(P_world, comm):
     P_x = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition([1, 2])
@@ -137,6 +162,21 @@ def test_data_collectives(P_world, comm):
         P_world.allreduce_data(1, op="mean")
     with pytest.raises(ValueError, match=r"broadcast_data: expected a root in \[0, "):
         P_world.broadcast_data(1, root=n)
+    # every member has every member's data, so each finds what disagrees
+    if n > 1:
+        with pytest.raises(ValueError, match=r"allgather_data: expected data of one shape on every member, got "
+                                             r"\(1,\) on root rank 0, \(2,\) on root rank 1"):
+            P_world.allgather_data(np.zeros(r + 1))
+        with pytest.raises(ValueError, match="allreduce_data: expected data of one shape"):
+            P_world.allreduce_data(list(range(r)))
+    with pytest.raises(TypeError, match="allreduce_data: expected numeric data, got <U1"):
+        P_world.allreduce_data("a")
+    for bad in (1.5, "1", True):
+        with pytest.raises(TypeError, match=f"neighbor_ranks: expected an int rank, got {bad!r}"):
+            P_world.neighbor_ranks(bad)
+    with pytest.raises(ValueError, match=r"neighbor_ranks: expected a rank in \[0, "):
+        P_world.neighbor_ranks(n)
+    assert P_world.cartesian_index(np.int64(0)) == (0,)
 
 
 @sizes(2, 3, 4)

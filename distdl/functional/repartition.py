@@ -96,6 +96,7 @@ def check_pair(where: str, P_x: object, P_y: object) -> None:
     if P_x.active or P_y.active:  # a member of either must know both, to build their union
         P_x._require_members(where)
         P_y._require_members(where)
+        P_x._check_joinable(where, P_y)
 
 
 def union(P_x: MPIPartition, P_y: MPIPartition) -> MPIPartition | None:
