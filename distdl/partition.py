@@ -175,8 +175,10 @@ class MPIPartition:
         self._finalizer = None
         self._freed = False
         # The root ranks of the sub-grid this partition was made within by create_subpartition (each worker's own,
-        # unknown outside its parent), where it was: then it joins only partitions within that sub-grid.
+        # unknown outside its parent), where it was: then it joins only partitions within that sub-grid; and
+        # whether that sub-grid is one of several (its parent's other workers have theirs).
         self._fibre: frozenset[int] | None = None
+        self._split = False
         if owned and comm != MPI.COMM_NULL:
             global _live_communicators
             _live_communicators += 1
@@ -184,7 +186,7 @@ class MPIPartition:
             self._finalizer.atexit = False
 
     def _derive(self, members: tuple[int, ...] | None, shape: tuple[int, ...], tag: int = 0,
-                fibre: frozenset[int] | None = None) -> MPIPartition:
+                fibre: frozenset[int] | None = None, split: bool = False) -> MPIPartition:
         """Return the partition of ``members`` (root ranks) with ``shape``, made within this partition's sub-grid
         or ``fibre`` (see ``_fibre``); collective over the members."""
         self._check_live("MPIPartition")
@@ -199,6 +201,7 @@ class MPIPartition:
         partition = MPIPartition.__new__(MPIPartition)
         partition._init(self._root, members, shape, comm, owned=True)
         partition._fibre = self._fibre if fibre is None else fibre
+        partition._split = self._split or split
         return partition
 
     def _agree(self, where: str, **facts: Any) -> None:
@@ -219,11 +222,17 @@ class MPIPartition:
         and the other has workers outside that sub-grid: those workers see another sub-grid there (or none), so
         the partition joining both would differ between its workers (mixed groups, or a hang)."""
         for P, Q in ((self, other), (other, self)):
-            outside = sorted(set(Q._members) - P._fibre) if P._fibre is not None else []
+            if P._fibre is None:
+                continue
+            outside = sorted(set(Q._members) - P._fibre)
             if outside:
                 raise ValueError(f"{where}: a partition made by create_subpartition is each worker's own sub-grid "
                                  f"(unknown outside its parent), so it joins only partitions within that sub-grid "
                                  f"(root ranks {sorted(P._fibre)}); got one with root ranks {outside} outside it")
+            if P._split and Q._fibre is None:  # Q lies in one of the sub-grids at most: the others would raise above
+                raise ValueError(f"{where}: a partition made by create_subpartition is each worker's own sub-grid, one "
+                                 f"of several, so it joins only partitions made from it; got one made from the whole "
+                                 f"(root ranks {list(Q._members)}), which the other sub-grids cannot join")
 
     def _check_ranks(self, where: str, ranks: Iterable[int]) -> tuple[int, ...]:
         ranks = _as_int_tuple(ranks, "ranks", where)
@@ -281,7 +290,8 @@ class MPIPartition:
         self._check_joinable("create_partition_union", other)
         members = mine + tuple(m for m in theirs if m not in set(mine))
         fibres = [P._fibre for P in (self, other) if P._fibre is not None]
-        return self._derive(members, (len(members),), fibre=frozenset.intersection(*fibres) if fibres else None)
+        return self._derive(members, (len(members),), fibre=frozenset.intersection(*fibres) if fibres else None,
+                            split=other._split)
 
     def create_cartesian_topology_partition(self, shape: Sequence[int]) -> MPIPartition:
         """Return the same workers arranged as a grid of ``shape`` (row-major rank order)."""
@@ -310,12 +320,12 @@ class MPIPartition:
         axes = self._check_axes("create_subpartition", axes)
         shape = tuple(self.shape[a] for a in axes)
         if not self.active:
-            return self._derive(None, shape, fibre=frozenset())
+            return self._derive(None, shape, fibre=frozenset(), split=True)
         self._agree("create_subpartition", axes=axes)
         grid = np.arange(self.size).reshape(self.shape)
         fibre = tuple(self._members[r] for r in grid[tuple(slice(None) if a in axes else i
                                                            for a, i in enumerate(self.index))].ravel())
-        return self._derive(fibre, shape, fibre=frozenset(fibre))
+        return self._derive(fibre, shape, fibre=frozenset(fibre), split=len(fibre) < self.size)
 
     def create_cartesian_subtopology_partition(self, remain_dims: Sequence[bool]) -> MPIPartition:
         """Return the sub-grid keeping the axes flagged in ``remain_dims`` (as ``MPI_Cart_sub``)."""

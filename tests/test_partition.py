@@ -119,6 +119,12 @@ def test_a_sub_grid_joins_only_partitions_within_it(P_world, comm):
         assert first.create_partition_union(rows).root_ranks == rows.root_ranks
         P_send, P_recv = first.create_broadcast_partition_to(rows)
         assert P_recv.root_ranks == rows.root_ranks
+    if n % 2 == 0:  # rank 0 alone lies in one row: the other row cannot join it, so neither does
+        first_of_world = P_world.create_partition_inclusive([0])
+        for join in (lambda: rows.create_partition_union(first_of_world),
+                     lambda: first_of_world.create_broadcast_partition_to(rows)):
+            with pytest.raises(ValueError, match="create_subpartition"):
+                join()
     outside = P_world.create_partition_inclusive([0, n - 1])  # reaching outside every row
     for join in (lambda: rows.create_partition_union(outside), lambda: outside.create_partition_union(rows),
                  lambda: rows.create_broadcast_partition_to(outside),

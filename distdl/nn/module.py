@@ -6,13 +6,17 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
   (the one every partition derives from; usually the world's) the same keys and *global* shapes as
   the equivalent torch layer; on every other worker this layer's keys are omitted. Where the
   layer's partition leaves that worker out, its own rank 0 collects the state and hands it over.
-  Split tensors come back as new, assembled tensors, with ``keep_vars=True`` too (not the parameters).
+  Split tensors, and every tensor handed over from another worker, come back as new tensors, with
+  ``keep_vars=True`` too (not the parameters).
 - ``load_state_dict()`` (collective; call it on every worker) takes the values of rank 0 of the root
   partition (handed to the layer's rank 0 where that is another worker), checks their global shapes
   and sends each worker its block; the other workers may pass the same dict or one without these
   keys (no missing-key error). Workers outside the partition keep their (unused) values. Strict
-  loading still reports missing and unexpected keys, and a wrong global shape is reported on every
-  member (workers outside the partition report nothing about this layer's keys).
+  loading still reports missing and unexpected keys and wrong global shapes, as found in the dict that
+  decided: on every member, and on rank 0 of the root where the partition leaves it out (the other
+  workers outside the partition report nothing about this layer's keys).
+- The layer's partition must be one every worker knows: a partition made by ``create_subpartition``
+  (each worker's own sub-grid) raises ValueError on every worker; use ``collect_state=False`` there.
 - Call both on every worker: ``state = model.state_dict()`` everywhere, then
   ``if rank == 0: torch.save(state, path)``. ``state_dict()`` on rank 0 alone waits forever for the
   others where a layer has split tensors (and skips the hand-over of the others), and
@@ -121,6 +125,18 @@ class CollectStateMixin:
         """Return the layout of every split tensor by name; the others are replicated."""
         return {}
 
+    def _collected_on(self, where: str) -> MPIPartition:
+        """Return the partition the state is collected from; ValueError (on every worker) where it was made from a
+        sub-grid, which is each worker's own and unknown outside its parent: rank 0 of the root could not know
+        whose state to take, and sub-grids holding copies of the layer would each hand theirs over."""
+        P = self._state_partition()
+        if P._fibre is not None:
+            raise ValueError(f"{where}: collect_state needs a partition every worker knows, but "
+                             f"{type(self).__name__}'s was made by create_subpartition (each worker's own sub-grid); "
+                             "build it with create_partition_inclusive and create_cartesian_topology_partition, or "
+                             "use collect_state=False")
+        return P
+
     def _held_elsewhere(self) -> set[str]:
         """Return the names of the layer's tensors that this worker holds no block of (a bias held by column 0 of
         ``P_w`` only): a state dict's entry for one is another worker's to load."""
@@ -158,7 +174,7 @@ class CollectStateMixin:
         if not self.collect_state:
             return
         check_unparametrized("state_dict", self)
-        P, tensors = self._state_partition(), self._state_tensors()
+        P, tensors = self._collected_on("state_dict"), self._state_tensors()
         verify("state_dict", P, agree={"prefix": prefix})  # check mode: a member that skipped the call is named
         split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
         pieces = None
@@ -185,18 +201,35 @@ class CollectStateMixin:
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        reports = (missing_keys, unexpected_keys, error_msgs)
+        found = [len(report) for report in reports]  # what this layer adds to each is reported below
+        P = None
         if self.collect_state:
             check_unparametrized("load_state_dict", self)
+            P = self._collected_on("load_state_dict")
             self._receive_state(state_dict, prefix)
             self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
         for name in self._held_elsewhere():  # not unexpected here: after _receive_state, which may send it on
             state_dict.pop(prefix + name, None)
-        found = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        P = self._state_partition() if self.collect_state else None
-        if P is not None and P.active and P.size > 1:  # rank 0's dict decides here too: every member raises alike
-            unexpected_keys[found:] = P.comm.bcast(unexpected_keys[found:] if P.rank == 0 else None, root=0)
+        if P is not None:
+            self._agree_on_reports(P, reports, found)
+
+    def _agree_on_reports(self, P: MPIPartition, reports: tuple[list, list, list], found: list[int]) -> None:
+        """Make this layer's missing keys, unexpected keys and errors those of the layer's rank 0, whose dict
+        decided: on every member, and on rank 0 of the root where the partition leaves it out (it read the
+        checkpoint); the other workers outside the partition report nothing about this layer's keys."""
+        missing_keys, unexpected_keys, _ = reports
+        if P.active and P.size > 1:  # the missing keys and errors agree already (_distribute_state)
+            unexpected_keys[found[1]:] = P.comm.bcast(unexpected_keys[found[1]:] if P.rank == 0 else None, root=0)
+        holder = _holder(P)
+        if P.active and P.rank == 0 and 0 not in P.root_ranks:
+            P._root.send([report[n:] for report, n in zip(reports, found)], dest=0, tag=_STATE_TAG)
+        elif not P.active:
+            verdict = P._root.recv(source=holder, tag=_STATE_TAG) if P._root.rank == 0 else [[], [], []]
+            for report, n, theirs in zip(reports, found, verdict):
+                report[n:] = theirs
 
     def _receive_state(self, state_dict: dict, prefix: str) -> None:
         """Where rank 0 of the root partition is not rank 0 of the layer's, hand its entries for this layer (it may
@@ -205,12 +238,14 @@ class CollectStateMixin:
         holder = _holder(P)
         if holder in (None, 0):
             return
-        keys = [prefix + name for name in {*self._state_tensors(), *self._held_elsewhere()}]
+        # this layer's own keys and any others torch would find unexpected here (not its children's)
+        own = [key for key in state_dict if key.startswith(prefix)
+               and key[len(prefix):].split(".", 1)[0] not in self._modules]
         if P._root.rank == 0:
-            P._root.send({key: state_dict[key] for key in keys if key in state_dict}, dest=holder, tag=_STATE_TAG)
+            P._root.send({key: state_dict[key] for key in own}, dest=holder, tag=_STATE_TAG)
         elif P.rank == 0:
-            for key in keys:
-                state_dict.pop(key, None)
+            for key in own:
+                del state_dict[key]
             state_dict.update(P._root.recv(source=0, tag=_STATE_TAG))
 
     def _distribute_state(self, state_dict: dict, prefix: str, error_msgs: list[str],
