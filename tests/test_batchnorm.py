@@ -95,8 +95,8 @@ def test_subset_partitions_and_inactive_workers(P_world, comm):
 
 @sizes(2, 3, 4)
 def test_empty_blocks_and_frozen_parameters_in_backward(P_world, comm):
-    """Workers whose block is empty and needs no gradient still join the backward's all-sum-reduce;
-    in eval mode with frozen parameters the backward needs no communication."""
+    """Workers whose block is empty and needs no gradient still join the backward's all-sum-reduce; so do
+    workers whose copies of the parameters are frozen (in eval mode too)."""
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
     x_shape = (comm.size - 1, 3, 4)  # the last worker's block is empty
     layer, ref = _pair(P_x, x_shape, affine=False)
@@ -115,6 +115,13 @@ def test_empty_blocks_and_frozen_parameters_in_backward(P_world, comm):
     for module in (layer, ref):
         module.eval().requires_grad_(False)
     _check_steps(P_x, layer, ref, x_shape, steps=1)
+    layer.requires_grad_(comm.rank != 1)  # frozen on worker 1 only: the others' gradients are still the totals
+    ref.requires_grad_(True)
+    layer(scatter(x, P_x)).backward(scatter(dy, P_x))
+    ref(x).backward(dy)
+    for name, parameter in ref.named_parameters():
+        grad = getattr(layer, name).grad
+        assert grad is None if comm.rank == 1 else torch.allclose(grad, parameter.grad, rtol=1e-10, atol=1e-10)
 
 
 @sizes(1, 2)

@@ -37,6 +37,24 @@ def test_forward_identity_backward_reduce(P_world, comm):
     torch.testing.assert_close(x.grad, sum(random_tensor((4,), seed=50 + r) for r in range(n)))
 
 
+@sizes(1, 2, 3)
+def test_outputs_take_in_place_ops(P_world, comm):
+    """A bias added in place after the sum (Megatron's row-parallel layer): the output is a tensor of its own."""
+    n = comm.size
+    for f, forward_sum, backward_sum in ((all_sum_reduce_forward, True, False),
+                                         (all_sum_reduce_backward, False, True)):
+        x = random_tensor((4,), seed=comm.rank).requires_grad_()
+        y = f(x, P_world, axes_reduce=[0])
+        y += 1.0
+        y.mul_(2)
+        total = sum(random_tensor((4,), seed=r) for r in range(n))
+        torch.testing.assert_close(y, 2 * ((total if forward_sum else x.detach()) + 1))
+        dy = random_tensor((4,), seed=50 + comm.rank)
+        y.backward(dy)
+        summed = sum(random_tensor((4,), seed=50 + r) for r in range(n))
+        torch.testing.assert_close(x.grad, 2 * (summed if backward_sum else dy))
+
+
 @sizes(2, 3)
 def test_each_is_the_others_backward(P_world, comm):
     """Double backward: the backward of the backward is the forward again."""

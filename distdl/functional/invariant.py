@@ -70,7 +70,8 @@ def _pair(x: torch.Tensor, P_x: MPIPartition, axes: tuple[int, ...], reduce_in_f
     """Apply one of the pair; check mode records its sum as ``where`` (``... (backward)`` when run by a backward,
     so that a rank that skipped the backward and calls a sum forward is named)."""
     y = _summed(x.detach(), P_x, axes, where) if reduce_in_forward else x.detach().clone()
-    return _Pair.apply(in_graph(x), y, P_x, axes, reduce_in_forward, where)
+    # y travels inside a tuple: returned as an input, autograd would make it a view that refuses in-place ops
+    return _Pair.apply(in_graph(x), (y,), P_x, axes, reduce_in_forward, where)
 
 
 @host_staged
@@ -83,14 +84,14 @@ def _summed(x: torch.Tensor, P_x: MPIPartition, axes: tuple[int, ...], where: st
 
 
 class _Pair(torch.autograd.Function):
-    """Return the precomputed forward value ``y``; backward applies the partner's forward."""
+    """Return the precomputed forward value ``y[0]``; backward applies the partner's forward."""
 
     @staticmethod
     def forward(ctx, x, y, P_x, axes, reduce_in_forward, where):
         save_anchor(ctx)
         ctx.P_x, ctx.axes, ctx.where = P_x, axes, where
         ctx.reduce_in_forward = reduce_in_forward
-        return y
+        return y[0]
 
     @staticmethod
     def backward(ctx, grad_y):

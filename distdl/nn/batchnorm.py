@@ -137,11 +137,14 @@ class _BatchNorm(torch.autograd.Function):
         x, mean, invstd, scale = ctx.saved_tensors  # dx = scale * dy when the statistics are constants
         x_dtype, x, dy = x.dtype, x.to(mean.dtype), dy.to(mean.dtype)
         grad_weight = grad_bias = None
-        if ctx.count is not None or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        # Whether to sum is decided alike on every worker (not by this worker's requires_grad: a worker whose
+        # copies of the parameters are frozen still takes part in the others' sum)
+        if ctx.count is not None or ctx.weight_dtype is not None:
             sums = all_sum_reduce(_sums(dy, x, mean, invstd), ctx.P_x, axes_reduce=ctx.axes)
             if ctx.weight_dtype is not None:
                 grad_weight, grad_bias = sums.to(ctx.weight_dtype)
-                grad_bias = grad_bias if ctx.needs_input_grad[2] else None  # bias=False: no bias
+                grad_weight = grad_weight if ctx.needs_input_grad[1] else None
+                grad_bias = grad_bias if ctx.needs_input_grad[2] else None  # also bias=False: no bias
         if ctx.count is None:
             grad_x = _affine(dy, torch.zeros_like(mean), scale, torch.zeros_like(mean))
         else:
