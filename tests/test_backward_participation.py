@@ -13,7 +13,8 @@ import torch.autograd.forward_ad as forward_ad
 
 from distdl import functional as F
 from distdl.functional import all_sum_reduce, broadcast, repartition, sum_reduce
-from distdl.nn import DistributedLinear
+from distdl.nn import (DistributedBatchNorm, DistributedLinear, DistributedLinearAllGather,
+                       DistributedLinearReduceScatter)
 from distdl.testing import random_tensor
 from distdl.utilities.torch import zero_volume_tensor
 from helpers import sizes
@@ -154,6 +155,23 @@ def test_forward_mode_ad_is_refused(P_world, comm):
                         NotImplementedError, match=rf"{name}: forward-mode AD \(torch.autograd.forward_ad\) is not "
                                                    "supported"):
                     op(dual)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@sizes(2)
+def test_forward_mode_ad_is_refused_by_layers_outside_the_primitives(P_world, comm):
+    """The overlapped rings and batch norm's eval mode run no primitive in the forward: they refuse a dual tensor
+    themselves (its tangent was dropped, silently, where the input needed no gradient)."""
+    P = P_world.create_cartesian_topology_partition((1, comm.size))
+    P_image = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    layers = {"DistributedLinearAllGather": (DistributedLinearAllGather(P, 8, 12, overlap=True), (5, 4)),
+              "linear_reduce_scatter": (DistributedLinearReduceScatter(P, 8, 12, overlap=True), (5, 4)),
+              "DistributedBatchNorm": (DistributedBatchNorm(P_image, 3).eval(), (2, 3, 6))}
+    for name, (layer, shape) in layers.items():
+        for requires_grad in (False, True):
+            x = random_tensor(shape, seed=comm.rank).float().requires_grad_(requires_grad)
+            with forward_ad.dual_level(), pytest.raises(NotImplementedError, match=rf"{name}: forward-mode AD"):
+                layer(forward_ad.make_dual(x, torch.ones_like(x)))
 
 
 @sizes(2)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from distdl.backends.cuda import refuse_unsupported
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import all_sum_reduce, fibre
 from distdl.nn.linear import check_features
@@ -223,6 +224,8 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         name = type(self).__name__
         self._verify_replicas(name)
         check_tensor(name, x)
+        for t in (x, self.weight, self.bias):  # _BatchNorm would drop a forward-mode tangent (in eval mode)
+            refuse_unsupported(name, t)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
             return in_graph(x).clone()  # backward runs here too

@@ -102,7 +102,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         reduction_plan(self._W, self._Y, False, False)
         if self._replicated:
             fibre(P_w, self._replicated)
-        self._start, size = (0,) * (d + 2), (0, 0) + self.kernel_size
+        self._start, size = (0,) * (d + 2), (0, in_channels) + self.kernel_size  # see [1] in distdl/nn/linear.py
         if P_w.active:
             grid, at = (P_w.shape[co], P_w.shape[ci]), (P_w.index[co], P_w.index[ci])
             self._start = tuple(int(n) for n in compute_start_index(grid, at, (out_channels, in_channels))) + (0,) * d

@@ -89,6 +89,11 @@ def uniform(bound: float) -> Callable[[tuple[int, ...], torch.Generator], torch.
                                                                                        generator=generator)
 
 
+# [1] Outside the layer's partition a weight is empty, of shape (0, in_features) (in_channels for a convolution):
+# torch's fan-based init functions (xavier_*, kaiming_*) then find a fan and do nothing; (0, 0) made xavier_* divide
+# by zero there, so `model.apply(init)` failed on those workers only.
+
+
 class SeededInit:
     """``reset_parameters()`` for a layer whose parameters are blocks of global tensors drawn from one seed shared
     over ``_init_partition`` (so they fit together, and equal the sequential layer's drawn from that seed).
@@ -141,7 +146,7 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
         reduction_plan(P_w, P_y, False, True)
         shape = (self.out_features, self.in_features)
         start = compute_start_index(P_w.shape, P_w.index, shape) if P_w.active else (0, 0)
-        size = compute_subshape(P_w.shape, P_w.index, shape) if P_w.active else (0, 0)
+        size = compute_subshape(P_w.shape, P_w.index, shape) if P_w.active else (0, self.in_features)  # [1]
         self.holds_bias = self.use_bias and P_w.active and P_w.index[1] == 0
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         self._init_partition = P_w

@@ -150,6 +150,8 @@ def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, P_x: MPIPartition, 
 @eager_when_compiled
 def _all_gather_linear(where, x, weight, P_x, axis):
     """Return ``(all_gather(x) @ weight.T, all_gather(x))`` (differentiable in both)."""
+    for t in (x, weight):  # the ring's Function would drop a forward-mode tangent: refused, as by the primitives
+        cuda.refuse_unsupported(where, t)
     check_idle_input(where, P_x, x)
     if not P_x.active:
         return in_graph(x).clone(), in_graph(x).clone()
@@ -270,7 +272,7 @@ class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module)
         self.local_in_features = in_hi - in_lo
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         shape, factory = (self.out_features, self.in_features), {"dtype": dtype, "device": device}
-        width = self.in_features if P_x.active else 0
+        width = self.in_features  # also outside P_x: see [1] in distdl/nn/linear.py
         self._init_partition = P_x
         self._init_blocks = {"weight": (shape, (out_lo, 0), (out_hi - out_lo, width), uniform(bound), 0),
                              "bias": ((self.out_features,), (out_lo,), (out_hi - out_lo,), uniform(bound), 1)}

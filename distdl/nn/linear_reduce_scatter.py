@@ -63,6 +63,8 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
     """
     where = "linear_reduce_scatter"
     check_operands(where, x, weight)
+    for t in (x, weight):  # the ring's Function would drop a forward-mode tangent: refused, as by the primitives
+        cuda.refuse_unsupported(where, t)
     check_partition(where, "P_y", P_y)
     axis = check_axis(where, P_y, axis)
     check_idle_input(where, P_y, x, "P_y")
@@ -188,6 +190,8 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         shape, factory = (self.out_features, self.in_features), {"dtype": dtype, "device": device}
         height = self.out_features if P_x.active else 0
+        if not P_x.active:  # an empty (0, in_features) weight: see [1] in distdl/nn/linear.py
+            in_hi = self.in_features
         width = out_hi - out_lo if P_x.active else 0
         self._init_partition = P_x
         self._init_blocks = {"weight": (shape, (0, in_lo), (height, in_hi - in_lo), uniform(bound), 0),

@@ -161,10 +161,16 @@ class CollectStateMixin:
         P = self._state_partition()
         if not P.active:
             return
+        layouts = self._state_layouts()
+        parameters = {name: (t, layouts.get(name) or StateLayout(t.shape)) for name, t in self._parameters.items()
+                      if t is not None}
+        for name, holder in getattr(self, "parametrizations", {}).items():  # weight_norm and the like: the
+            for original, t in holder.named_parameters():  # parameters are the originals, laid out as the tensor
+                parameters[f"{name}.{original}"] = (t, layouts.get(name) or StateLayout(t.shape))
         sums: dict[tuple[int, ...], dict[str, int]] = {}
-        for name, (t, layout) in self._state_tensors().items():
+        for name, (t, layout) in parameters.items():
             axes = tuple(a for a in range(P.dim) if a not in layout.axes and P.shape[a] > 1)
-            if name in self._parameters and axes:
+            if axes:
                 sums.setdefault(axes, {})[f"the values of {name} (checksum)"] = checksum([t])
         for axes, facts in sums.items():
             verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=facts)
