@@ -216,6 +216,10 @@ def test_a_block_failing_on_one_worker_raises_on_every_member(P_world, comm):
         ce(x, bad)
     _check(P_x, ce, torch.nn.CrossEntropyLoss(), random_tensor((2 * n, 3), seed=5),
            torch.arange(2 * n) % 3, comm, lambda t: scatter(t.unsqueeze(1), P_x).squeeze(1))
+    mse = losses.DistributedMSELoss(P_x)  # a target block of the wrong shape on one worker (an uneven split)
+    with pytest.raises(ValueError, match=r"DistributedMSELoss: expected a target of shape \(2, 3\)" if comm.rank == last
+                       else rf"DistributedMSELoss: the loss failed on worker {last} of P_x"):
+        mse(x, torch.ones((3 if comm.rank == last else 2), 3))
     bce = losses.DistributedBCELoss(P_x)
     p = torch.full((2, 1), 2.0 if comm.rank == 0 else 0.5)
     with pytest.raises(RuntimeError if comm.rank == 0 else ValueError, match="between 0 and 1" if comm.rank == 0

@@ -67,22 +67,19 @@ class _DistributedLoss(torch.nn.Module):
                 return in_graph(input).clone()  # backward runs here too
             loss = input.sum()  # 0 from a zero-volume input; differentiable so backward() works everywhere
             return loss if loss.requires_grad else loss.requires_grad_()
-        if input.dim() != self.P_x.dim:
-            raise ValueError(f"{name}: expected an input of {self.P_x.dim} dimensions to match P_x of shape "
-                             f"{self.P_x.shape}, got shape {tuple(input.shape)}")
-        expected = self._target_shape(input, target)
-        if tuple(target.shape) != expected:
-            raise ValueError(f"{name}: expected a target of shape {expected} (the input's block is "
-                             f"{tuple(input.shape)}), got shape {tuple(target.shape)} on worker {self.P_x._root.rank}")
+        if self.reduction == "none":  # no sum: a block that fails raises here alone
+            self._check_block(name, input, target)
         # check mode: a loss made with another reduction elsewhere sums the same three numbers to another value,
         # or ('none') makes no collective
         verify(name, self.P_x, agree={"reduction": self.reduction})
         if self.reduction == "none":
             return self._elementwise(input, target)
-        # A worker whose block fails (a class index out of range, a probability outside [0, 1], a weight of
-        # the wrong size) still takes part in the sum, with its failure flagged: every member raises.
+        # A worker whose block fails (of the wrong shape, a class index out of range, a probability outside
+        # [0, 1], a weight of the wrong size) still takes part in the sum, with its failure flagged: every member
+        # raises.
         failures = torch.zeros(self.P_x.size, dtype=torch.float64, device=input.device)
         try:
+            self._check_block(name, input, target)
             losses = self._elementwise(input, target)
             at_batch_start = all(i == 0 for i in self.P_x.index[1:])
             count = torch.as_tensor(self._count(input, target), dtype=torch.float64, device=input.device)
@@ -100,6 +97,16 @@ class _DistributedLoss(torch.nn.Module):
         if self.reduction == "mean":  # nothing counted: torch's 0 / 0 = nan, also where label smoothing added to
             loss = loss + torch.where(total[1] == 0, float("nan"), 0.0)  # the sum (inf); a constant: same gradients
         return loss.to(losses.dtype)
+
+    def _check_block(self, name: str, input: torch.Tensor, target: torch.Tensor) -> None:
+        """Raise ValueError unless ``input`` and ``target`` are blocks of ``P_x``'s dimension and matching shapes."""
+        if input.dim() != self.P_x.dim:
+            raise ValueError(f"{name}: expected an input of {self.P_x.dim} dimensions to match P_x of shape "
+                             f"{self.P_x.shape}, got shape {tuple(input.shape)} on worker {self.P_x._root.rank}")
+        expected = self._target_shape(input, target)
+        if tuple(target.shape) != expected:
+            raise ValueError(f"{name}: expected a target of shape {expected} (the input's block is "
+                             f"{tuple(input.shape)}), got shape {tuple(target.shape)} on worker {self.P_x._root.rank}")
 
     def _raise_failed(self, name: str, failures: torch.Tensor, error: Exception | None) -> None:
         """Raise, on every member, for the members whose block failed: ``error`` where this is one of them."""

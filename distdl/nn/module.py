@@ -226,7 +226,7 @@ class CollectStateMixin:
         """Make this layer's missing keys, unexpected keys and errors those of the layer's rank 0, whose dict
         decided: on every member, and on rank 0 of the root where the partition leaves it out (it read the
         checkpoint); the other workers outside the partition report nothing about this layer's keys."""
-        missing_keys, unexpected_keys, _ = reports
+        unexpected_keys = reports[1]
         if P.active and P.size > 1:  # the missing keys and errors agree already (_distribute_state)
             unexpected_keys[found[1]:] = P.comm.bcast(unexpected_keys[found[1]:] if P.rank == 0 else None, root=0)
         holder = _holder(P)
