@@ -20,6 +20,7 @@ worker                        does
 ============================  ==========================================================
 in P_x, with neighbours       exchanges slabs with each neighbour, one dimension at a time
 in P_x, at a grid edge        nothing on the open side; those ghosts keep ``x``'s values
+                              (corners excepted: other dimensions' slabs span them)
 in P_x of size 1              returns a copy of ``x`` (adjoint: a copy of the gradient)
 outside P_x                   passes and gets a zero-volume tensor
 ============================  ==========================================================
