@@ -156,6 +156,8 @@ def test_inactive_workers_and_float32(P_world, comm):
     if not outside.active:
         assert loss.shape == () and loss.requires_grad
         loss.backward()  # a constant input still gives a loss one can call backward() on
+    with torch.no_grad():  # but not where no graph is recorded, members and outsiders alike
+        assert not losses.DistributedL1Loss(outside)(torch.zeros(0), torch.zeros(0)).requires_grad
     outside_2d = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
     for loss in (losses.DistributedL1Loss(outside, reduction="none"),
                  losses.DistributedCrossEntropyLoss(outside_2d, reduction="none")):

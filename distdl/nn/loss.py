@@ -66,7 +66,7 @@ class _DistributedLoss(torch.nn.Module):
             if self.reduction == "none":
                 return in_graph(input).clone()  # backward runs here too
             loss = input.sum()  # 0 from a zero-volume input; differentiable so backward() works everywhere
-            return loss if loss.requires_grad else loss.requires_grad_()
+            return loss if loss.requires_grad or not torch.is_grad_enabled() else loss.requires_grad_()
         if self.reduction == "none":  # no sum: a block that fails raises here alone
             self._check_block(name, input, target)
         # check mode: a loss made with another reduction elsewhere sums the same three numbers to another value,
