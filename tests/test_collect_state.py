@@ -45,6 +45,8 @@ def test_world_rank_0_outside_the_layer(P_world, comm):
     layer.load_state_dict(GOOD if comm.rank == 0 else {})
     if P_x.active:
         assert torch.equal(layer.weight, GOOD["weight"]) and torch.equal(layer.bias, GOOD["bias"])
+    else:  # the others hold (unused) empty blocks
+        assert layer.weight.numel() == 0 and layer.bias.numel() == 0
 
 
 @sizes(2, 3, 4)
