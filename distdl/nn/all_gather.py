@@ -29,4 +29,4 @@ class AllGather(torch.nn.Module):
         return all_gather(x, self.P_x, axes_all_gather=self.axes_all_gather)
 
     def extra_repr(self) -> str:
-        return f"P_x.shape={self.P_x.shape}, axes_all_gather={self.axes_all_gather}"
+        return f"P_x shape={self.P_x.shape}, axes_all_gather={self.axes_all_gather}"

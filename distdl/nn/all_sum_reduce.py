@@ -26,3 +26,6 @@ class AllSumReduce(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_sum_reduce(x, self.P_x, axes_reduce=self.axes_reduce)
+
+    def extra_repr(self) -> str:
+        return f"P_x shape={self.P_x.shape}, axes_reduce={self.axes_reduce}"

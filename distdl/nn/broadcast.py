@@ -25,3 +25,7 @@ class Broadcast(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return broadcast(x, self.P_x, self.P_y, self.transpose_src, self.transpose_dest, self.preserve_batch)
+
+    def extra_repr(self) -> str:
+        return (f"P_x shape={self.P_x.shape}, P_y shape={self.P_y.shape}, transpose_src={self.transpose_src}, "
+                f"transpose_dest={self.transpose_dest}, preserve_batch={self.preserve_batch}")

@@ -35,3 +35,7 @@ class HaloExchange(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return halo_exchange(x, self.P_x, self.halo_shape, self.recv_buffer_shape, self.send_buffer_shape)
+
+    def extra_repr(self) -> str:
+        return (f"P_x shape={self.P_x.shape}, halo_shape={self.halo_shape}, "
+                f"recv_buffer_shape={self.recv_buffer_shape}, send_buffer_shape={self.send_buffer_shape}")

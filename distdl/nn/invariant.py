@@ -25,6 +25,9 @@ class _InvariantModule(torch.nn.Module):
         self.axes_reduce = resolve_axes(name, P_x, axes_reduce, axes_keep, "axes_reduce")
         fibre(P_x, self.axes_reduce)
 
+    def extra_repr(self) -> str:
+        return f"P_x shape={self.P_x.shape}, axes_reduce={self.axes_reduce}"
+
 
 class AllSumReduceForward(_InvariantModule):
     """Forward: all-sum-reduce along ``axes_reduce``; backward: identity (consumer computed redundantly)."""

@@ -30,4 +30,4 @@ class ReduceScatter(torch.nn.Module):
         return reduce_scatter(x, self.P_x, axes_reduce_scatter=self.axes_reduce_scatter)
 
     def extra_repr(self) -> str:
-        return f"P_x.shape={self.P_x.shape}, axes_reduce_scatter={self.axes_reduce_scatter}"
+        return f"P_x shape={self.P_x.shape}, axes_reduce_scatter={self.axes_reduce_scatter}"

@@ -32,4 +32,4 @@ class Repartition(torch.nn.Module):
         return repartition(x, self.P_x, self.P_y, self.preserve_batch)
 
     def extra_repr(self) -> str:
-        return f"P_x={self.P_x.shape}, P_y={self.P_y.shape}, preserve_batch={self.preserve_batch}"
+        return f"P_x shape={self.P_x.shape}, P_y shape={self.P_y.shape}, preserve_batch={self.preserve_batch}"
