@@ -13,8 +13,8 @@ def test_reprs_name_the_arguments(P_world, comm):
     expected = {
         dnn.Broadcast(root, P): f"Broadcast(P_x shape=(1,), P_y shape=(1, {n}), transpose_src=False, "
                                 "transpose_dest=False, preserve_batch=True)",
-        dnn.SumReduce(P, root, preserve_batch=False): f"SumReduce(P_x shape=(1, {n}), P_y shape=(1,), "
-                                                      "transpose_src=False, transpose_dest=False, preserve_batch=False)",
+        dnn.SumReduce(P, root, preserve_batch=False): f"SumReduce(P_x shape=(1, {n}), P_y shape=(1,), transpose_src="
+                                                      "False, transpose_dest=False, preserve_batch=False)",
         dnn.AllSumReduce(P, axes_keep=[0]): f"AllSumReduce(P_x shape=(1, {n}), axes_reduce=(1,))",
         dnn.AllGather(P, axes_all_gather=[1]): f"AllGather(P_x shape=(1, {n}), axes_all_gather=(1,))",
         dnn.ReduceScatter(P, axes_reduce_scatter=[1]): f"ReduceScatter(P_x shape=(1, {n}), axes_reduce_scatter=(1,))",
