@@ -496,9 +496,7 @@ class MPIPartition:
 
     def allgather_data(self, data: Any) -> np.ndarray | None:
         """Return every member's ``data`` stacked along a new first axis; ``None`` if inactive."""
-        if not self.active:
-            return None
-        return _stacked("allgather_data", self._comm.allgather(np.asarray(data)), self.root_ranks)
+        return self._gathered("allgather_data", data)
 
     def allreduce_data(self, data: Any, op: str = "sum") -> np.ndarray | None:
         """Return the elementwise reduction (``sum``, ``prod``, ``max``, ``min``) of ``data`` over members.
@@ -507,12 +505,24 @@ class MPIPartition:
         """
         if op not in _REDUCE_OPS:
             raise ValueError(f"allreduce_data: expected op in {sorted(_REDUCE_OPS)}, got {op!r}")
-        if not self.active:
+        gathered = self._gathered("allreduce_data", data)
+        if gathered is None:
             return None
-        gathered = _stacked("allreduce_data", self._comm.allgather(np.asarray(data)), self.root_ranks)
         if gathered.dtype.kind not in "biufc":  # the same on every member: each has every member's data
             raise TypeError(f"allreduce_data: expected numeric data, got {gathered.dtype}")
         return _REDUCE_OPS[op].reduce(gathered, axis=0, dtype=gathered.dtype)
+
+    def _gathered(self, where: str, data: Any) -> np.ndarray | None:
+        """Return every member's ``data`` stacked (None if inactive); ValueError (on every member: each has them
+        all) unless their shapes agree."""
+        if not self.active:
+            return None
+        arrays = self._comm.allgather(np.asarray(data))
+        shapes = [a.shape for a in arrays]
+        if any(shape != shapes[0] for shape in shapes):
+            seen = ", ".join(f"{shape} on root rank {r}" for shape, r in zip(shapes, self.root_ranks))
+            raise ValueError(f"{where}: expected data of one shape on every member, got {seen}")
+        return np.stack(arrays)
 
     # -- lifetime and comparison ------------------------------------------------------------
 
@@ -575,16 +585,6 @@ class MPIPartition:
         if not self.active:
             return f"MPIPartition(shape={self.shape}, active=False)"
         return f"MPIPartition(shape={self.shape}, rank={self.rank}, index={self.index})"
-
-
-def _stacked(where: str, arrays: list[np.ndarray], root_ranks: tuple[int, ...]) -> np.ndarray:
-    """Return the members' ``arrays`` stacked; ValueError (on every member: each has them all) unless their shapes
-    agree."""
-    shapes = [a.shape for a in arrays]
-    if any(shape != shapes[0] for shape in shapes):
-        seen = ", ".join(f"{shape} on root rank {r}" for shape, r in zip(shapes, root_ranks))
-        raise ValueError(f"{where}: expected data of one shape on every member, got {seen}")
-    return np.stack(arrays)
 
 
 def _broadcast_groups(where: str, P_src: MPIPartition, P_dest: MPIPartition, transpose_src: bool,

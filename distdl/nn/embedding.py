@@ -71,7 +71,8 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         self.axes_replicated = tuple(range(P_x.dim - 1))
         build_fibres(P_x, self.axes_replicated)  # the communicator is built here, once
         # outside P_x an empty (0, embedding_dim) table: see [1] in distdl/nn/linear.py
-        lo, hi = block_extents(self.embedding_dim, P_x.shape[-1])[P_x.index[-1]] if P_x.active else (0, embedding_dim)
+        lo, hi = (block_extents(self.embedding_dim, P_x.shape[-1])[P_x.index[-1]] if P_x.active
+                  else (0, self.embedding_dim))
         rows = self.num_embeddings if P_x.active else 0
         self._init_partition = P_x
         shape = (self.num_embeddings, self.embedding_dim)

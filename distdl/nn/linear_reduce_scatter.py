@@ -190,13 +190,12 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
         bound = 1 / math.sqrt(in_features) if in_features else 0.0
         shape, factory = (self.out_features, self.in_features), {"dtype": dtype, "device": device}
         height = self.out_features if P_x.active else 0
-        if not P_x.active:  # an empty (0, in_features) weight: see [1] in distdl/nn/linear.py
-            in_hi = self.in_features
+        columns = in_hi - in_lo if P_x.active else self.in_features  # outside P_x: see [1] in distdl/nn/linear.py
         width = out_hi - out_lo if P_x.active else 0
         self._init_partition = P_x
-        self._init_blocks = {"weight": (shape, (0, in_lo), (height, in_hi - in_lo), uniform(bound), 0),
+        self._init_blocks = {"weight": (shape, (0, in_lo), (height, columns), uniform(bound), 0),
                              "bias": ((self.out_features,), (out_lo,), (width,), uniform(bound), 1)}
-        self.weight = torch.nn.Parameter(torch.empty(height, in_hi - in_lo, **factory))
+        self.weight = torch.nn.Parameter(torch.empty(height, columns, **factory))
         self.register_parameter("bias", torch.nn.Parameter(torch.empty(width, **factory)) if self.use_bias else None)
         self.reset_parameters()
 

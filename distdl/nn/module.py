@@ -161,9 +161,8 @@ class CollectStateMixin:
         P = self._state_partition()
         if not P.active:
             return
+        parameters = {name: entry for name, entry in self._state_tensors().items() if name in self._parameters}
         layouts = self._state_layouts()
-        parameters = {name: (t, layouts.get(name) or StateLayout(t.shape)) for name, t in self._parameters.items()
-                      if t is not None}
         for name, holder in getattr(self, "parametrizations", {}).items():  # weight_norm and the like: the
             for original, t in holder.named_parameters():  # parameters are the originals, laid out as the tensor
                 parameters[f"{name}.{original}"] = (t, layouts.get(name) or StateLayout(t.shape))
