@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from distdl.nn import (DataParallel, DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather,
-                       DistributedMSELoss, clip_grad_norm_)
+from distdl.nn import (DataParallel, DistributedBatchNorm, DistributedChannelConv1d, DistributedFeatureConv1d,
+                       DistributedLinear, DistributedLinearAllGather, DistributedMSELoss, clip_grad_norm_)
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
 
@@ -53,6 +53,42 @@ def test_clip_matches_the_sequential_model(P_world, comm, norm_type):
     replicated = torch.cat([p.detach().flatten() for p in (*model[0].parameters(), *model[1].parameters(),
                                                            *model[3].parameters())])
     assert all(torch.equal(replicated, r) for r in comm.allgather(replicated))  # replicas equal on every worker
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("kind", ["linear", "channel conv"])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_a_bias_held_by_a_column_of_later_ranks(P_world, comm, kind, norm_type):
+    """DistributedLinear and the channel convolutions hold the bias on column 0 of P_w only. With P_w's workers in
+    reverse order, column 0 is the last world rank: the bias was counted on the first member of its row, which does
+    not hold it, so the norm left it out on every worker. foreach=False scales alike."""
+    P_w = P_world.create_partition_inclusive(range(comm.size)[::-1])
+    P_y = P_world.create_partition_inclusive([0])
+    if kind == "linear":
+        P_w = P_w.create_cartesian_topology_partition([1, comm.size])
+        P_y = P_y.create_cartesian_topology_partition([1, 1])
+        layer, sequential, x = DistributedLinear(P_w, P_y, P_w, 6, 3, collect_state=True), torch.nn.Linear(6, 3), (4, 6)
+    else:
+        P_w = P_w.create_cartesian_topology_partition([1, comm.size, 1])
+        P_y = P_y.create_cartesian_topology_partition([1, 1, 1])
+        layer = DistributedChannelConv1d(P_w, P_y, P_w, 6, 3, 3, collect_state=True)
+        sequential, x = torch.nn.Conv1d(6, 3, 3), (2, 6, 7)
+    layer.double(), sequential.double()
+    sequential.load_state_dict(comm.bcast(layer.state_dict(), root=0))
+    x = random_tensor(x, seed=1)
+    y = layer(scatter(x, P_w))
+    (y * random_tensor(y.shape, seed=2 + comm.rank)).sum().backward()
+    z = sequential(x)
+    (z * random_tensor(z.shape, seed=2)).sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.1, norm_type)
+    norm = clip_grad_norm_(layer, 0.1, P_world, norm_type, foreach=False)
+    torch.testing.assert_close(norm, expected.to(norm.dtype), rtol=1e-12, atol=0)
+    torch.testing.assert_close(layer.weight.grad, scatter(sequential.weight.grad, P_w), rtol=1e-12, atol=1e-12)
+    assert (layer.bias is not None) == (comm.rank == comm.size - 1)
+    if layer.bias is not None:
+        torch.testing.assert_close(layer.bias.grad, sequential.bias.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="clip_grad_norm_: expected None or a bool for foreach, got 1"):
+        clip_grad_norm_(layer, 0.1, P_world, norm_type, foreach=1)
 
 
 @sizes(1, 2, 3)

@@ -25,7 +25,7 @@ __all__ = ["clip_grad_norm_"]
 
 @torch.no_grad()
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Scale the gradients of ``module`` by ``min(1, max_norm / (norm + 1e-6))``, as torch's
     ``clip_grad_norm_``, with ``norm`` that of the sequential model's gradient.
 
@@ -39,6 +39,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
         norm_type: ``p`` of the p-norm, or ``math.inf``.
         error_if_nonfinite: raise where the norm is NaN or infinite (on every member, before scaling); otherwise
             scale by the factor it gives, as torch does (a NaN norm makes every gradient NaN).
+        foreach: as torch's: scale with one multi-tensor call (None or True) or tensor by tensor (False); the
+            result is the same.
     Returns:
         The norm before clipping (0-dim, float64); 0 outside ``P``.
     Raises:
@@ -48,6 +50,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{where}: expected a torch.nn.Module, got {type(module).__name__}")
     check_partition(where, "P", P)
+    if foreach is not None and not isinstance(foreach, bool):
+        raise TypeError(f"{where}: expected None or a bool for foreach, got {foreach!r}")
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"{where}: expected a positive norm_type (or math.inf), got {norm_type}")
@@ -67,8 +71,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
             if layouts is None:
                 mine = P.rank == 0
             else:  # the first member of P holding a copy of this block (all of P where a layer sums over it)
-                P_m = m._state_partition()
-                held = P_m.active and block_holders(P_m, (layouts.get(name) or StateLayout(p.shape)).axes, P)
+                P_m, layout = m._state_partition(), layouts.get(name) or StateLayout(p.shape)
+                held = P_m.active and block_holders(P_m, layout.axes + layout.first, P)
                 mine = bool(held) and min(held) == P.root_ranks[P.rank]
             if mine:
                 owned.append(p.grad.detach().double().abs())
@@ -84,5 +88,9 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
                            "so it cannot be clipped; set error_if_nonfinite=False to scale them by it anyway")
     coefficient = max_norm / (norm + 1e-6)
     if not coefficient >= 1:  # a NaN norm too: every gradient becomes NaN, as torch's
-        torch._foreach_mul_(grads, coefficient)
+        if foreach is False:
+            for g in grads:
+                g.mul_(coefficient)
+        else:
+            torch._foreach_mul_(grads, coefficient)
     return torch.tensor(norm, dtype=torch.float64)

@@ -128,7 +128,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         co, ci = self._channel_axes
         return {"weight": StateLayout((self.out_channels, self.in_channels) + self.kernel_size,
                                       (co, ci) + (None,) * self.dims),
-                "bias": StateLayout((self.out_channels,), (co,))}
+                "bias": StateLayout((self.out_channels,), (co,), first=(ci,))}
 
     def _state_partition(self) -> MPIPartition:
         return self.P_w  # the parameters live on P_w

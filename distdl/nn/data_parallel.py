@@ -15,7 +15,8 @@ A distdl layer sums the gradients of the copies of a parameter it holds on sever
 workers include every member of ``P`` (a batch norm over the batch that ``P`` splits), that sum is already
 the reduction over ``P``: such parameters are left out of the buckets (with ``op="avg"``, divided by
 ``P.size``); where they are this member alone, they are reduced as any parameter; otherwise ValueError (and
-for a parameter summed over all of ``P`` that another module, one not summing it so, holds too: tied).
+for a parameter summed over all of ``P`` that another module, one not summing it so, holds too: tied). Other
+uses of such a parameter in the loss (a penalty on it) are not summed over ``P``: see docs/layers/data_parallel.md.
 
 A parameter without a gradient (``grad is None``) counts as zeros: every bucket also sums one
 presence count per parameter, so every member learns how many members had a gradient.

@@ -160,7 +160,7 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
 
     def _state_layouts(self) -> dict[str, StateLayout]:
         return {"weight": StateLayout((self.out_features, self.in_features), (0, 1)),
-                "bias": StateLayout((self.out_features,), (0,))}
+                "bias": StateLayout((self.out_features,), (0,), first=(1,))}
 
     def _state_partition(self) -> MPIPartition:
         return self.P_w  # the parameters live on P_w

@@ -47,11 +47,14 @@ __all__ = ["StateLayout", "CollectStateMixin"]
 
 class StateLayout:
     """A tensor of ``global_shape`` whose dim ``d`` is split in balanced blocks along partition axis
-    ``axes[d]`` (``None``: not split); replicated over the partition axes not listed."""
+    ``axes[d]`` (``None``: not split); replicated over the partition axes not listed, except along ``first``,
+    where only the workers at index 0 hold it (a bias held by column 0 of ``P_w``)."""
 
-    def __init__(self, global_shape: Sequence[int], axes: Sequence[int | None] | None = None) -> None:
+    def __init__(self, global_shape: Sequence[int], axes: Sequence[int | None] | None = None,
+                 first: Sequence[int] = ()) -> None:
         self.global_shape = tuple(int(n) for n in global_shape)
         self.axes = tuple(axes) if axes is not None else (None,) * len(self.global_shape)
+        self.first = tuple(first)
 
     @property
     def replicated(self) -> bool:
