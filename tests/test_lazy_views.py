@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import distdl.backends.mpi as transport
+from distdl.backends import cuda
 from distdl.functional.all_gather import all_gather
 from distdl.functional.all_sum_reduce import all_sum_reduce
 from distdl.functional.broadcast import broadcast
@@ -153,11 +154,15 @@ def test_zero_parameter_gradients_are_synchronised(P_world, comm, overlapped, in
     torch.testing.assert_close(module.bias.grad, torch.full((2,), 4.0 * comm.size, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @pytest.mark.parametrize("rows", [2, 40])
 @sizes(1, 2, 3)
-def test_sparse_cotangents(P_world, comm, rows):
+def test_sparse_cotangents(P_world, comm, rows, staged, monkeypatch):
     """A sparse cotangent (what ``F.embedding(..., sparse=True)`` on an output passes back) gives each primitive
-    the gradient its dense values give; it used to stop every worker with torch's "unsupported memory format"."""
+    the gradient its dense values give; it used to stop every worker with torch's "unsupported memory format",
+    and staged through the host (CUDA tensors where MPI is not CUDA-aware) with "copy_() between dense and sparse
+    Tensors is not implemented"."""
+    monkeypatch.setattr(cuda, "stage_cpu_for_tests", staged)
     results = []
     for name, (x, op) in _cases(P_world, comm, rows).items():
         if name in ("conv", "batch norm"):  # torch's own kernels take no sparse cotangent, as for its layers
@@ -174,9 +179,15 @@ def test_sparse_cotangents(P_world, comm, rows):
         assert torch.equal(sparse.to_dense(), dense), (name, comm.rank, sparse, dense)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 @sizes(1, 2, 3)
-def test_sparse_inputs_are_refused(P_world, comm):
-    """Every primitive and layer refuses a sparse input on every worker before communicating."""
+def test_sparse_inputs_are_refused(P_world, comm, staged, monkeypatch):
+    """Every primitive and layer refuses a sparse input on every worker before communicating, and every primitive
+    a quantized one; staged through the host, the primitives copied them first and raised torch's errors there."""
+    monkeypatch.setattr(cuda, "stage_cpu_for_tests", staged)
     for name, (x, op) in _cases(P_world, comm, 2).items():
         with pytest.raises(TypeError, match="dense"):
             op(x.to_sparse())
+        if name not in ("conv", "batch norm"):
+            with pytest.raises(TypeError, match=f"{name.split()[0]}: expected .* got torch.quint8"):
+                op(torch.quantize_per_tensor(x.float(), 0.5, 0, torch.quint8))

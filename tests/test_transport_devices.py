@@ -208,3 +208,30 @@ def test_data_parallel_and_ring_layers_on_device(P_world, comm, device):
             y.backward(random_tensor(y.shape, seed=10 + comm.rank).to(device))
             results.append((y.detach().cpu(), x.grad.cpu()))
         torch.testing.assert_close(results[0], results[1])
+
+
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@sizes(1, 2, 3)
+def test_rings_take_the_plain_collective_where_tensors_are_staged(P_world, comm, device, monkeypatch):
+    """all_gather_linear and linear_reduce_scatter hand their blocks to MPI around a ring: a tensor that must be
+    staged (a CUDA tensor where MPI is not CUDA-aware) goes through the host in the plain collective instead, as
+    in the layers. The rings handed such tensors to MPI directly."""
+    from distdl.nn.linear_all_gather import all_gather_linear
+    from distdl.nn.linear_reduce_scatter import linear_reduce_scatter
+    staged = []
+    to_host = cuda._to_host
+    monkeypatch.setattr(cuda, "_to_host", lambda t, reuse: staged.append(t.shape) or to_host(t, reuse))
+    P_cols = P_world.create_cartesian_topology_partition([1, comm.size])
+    P_rows = P_world.create_cartesian_topology_partition([comm.size, 1])
+    x_all, w = random_tensor((3, 2 * comm.size + 1), seed=1), random_tensor((4, 2 * comm.size + 1), seed=2)
+    xs = [random_tensor((3, 2 * comm.size + 1), seed=10 + r) for r in range(comm.size)]
+    cases = {"all_gather_linear": (lambda t: all_gather_linear(t, w.to(device), P_cols, 1), scatter(x_all, P_cols),
+                                   x_all @ w.t()),
+             "linear_reduce_scatter": (lambda t: linear_reduce_scatter(t, w.to(device), P_rows, 0), xs[comm.rank],
+                                       scatter(sum(xs) @ w.t(), P_rows))}
+    for name, (op, x, expected) in cases.items():
+        staged.clear()
+        x = x.to(device)
+        torch.testing.assert_close(op(x).cpu(), expected, rtol=1e-12, atol=1e-12, msg=name)
+        assert bool(staged) == cuda.needs_staging(x), name
+        assert_adjoint(op, x, comm)

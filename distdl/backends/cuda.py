@@ -110,7 +110,10 @@ def _pool(device: torch.device, nbytes: int) -> torch.Tensor:
 
 def _to_host(x: torch.Tensor, reuse: bool) -> torch.Tensor:
     """Copy ``x`` to the host (stream-ordered, then waited for): into the reusable buffer where the copy is
-    done with before the next one (``reuse``), else into memory of its own."""
+    done with before the next one (``reuse``), else into memory of its own. A sparse ``x`` (a cotangent: the
+    gradient of ``F.embedding(..., sparse=True)``) arrives dense."""
+    if x.layout != torch.strided:
+        x = x.to_dense()
     nbytes = x.numel() * x.element_size()
     if reuse:
         host = _pool(x.device, nbytes)[:nbytes].view(x.dtype).view(x.shape)
@@ -176,8 +179,8 @@ def host_staged(function):
     def staged(*args, **kwargs):
         x = args[0] if args else kwargs.get(name)
         refuse_unsupported(function.__name__, x)
-        if not isinstance(x, torch.Tensor) or not needs_staging(x):
-            return function(*args, **kwargs)
+        if not isinstance(x, torch.Tensor) or not needs_staging(x) or x.layout != torch.strided or x.is_quantized:
+            return function(*args, **kwargs)  # or refused there, with its own checks (the copy would fail first)
         # The primitive never returns an alias of its input, so the pool is free again on return.
         host = _ToHost.apply(x, True)
         args, kwargs = ((host, *args[1:]), kwargs) if args else (args, {**kwargs, name: host})

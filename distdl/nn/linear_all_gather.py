@@ -172,6 +172,9 @@ def _all_gather_linear(where, x, weight, P_x, axis):
     if weight.shape[1] != k:
         raise ValueError(f"{where}: expected a weight of {k} columns (the gathered features), got shape "
                          f"{tuple(weight.shape)} on worker {P_x._root.rank}")
+    if cuda.needs_staging(x):  # the ring hands tensor memory to MPI: a staged tensor takes the plain collective
+        gathered = all_gather(x, P_x, axes_all_gather=(axis,))
+        return torch.nn.functional.linear(gathered, weight), gathered
     return _AllGatherLinear.apply(in_graph(x), weight, P_x, axis, P_fibre, shapes)
 
 

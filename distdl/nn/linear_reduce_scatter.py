@@ -74,6 +74,8 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
         raise ValueError(f"{where}: expected a tensor of {P_y.dim} dimensions (P_y has shape {P_y.shape}) and "
                          f"{weight.shape[1]} features (the weight's columns), got shape {tuple(x.shape)} on worker "
                          f"{P_y._root.rank}")
+    if cuda.needs_staging(x):  # the ring hands tensor memory to MPI: a staged tensor takes the plain collective
+        return reduce_scatter(torch.nn.functional.linear(x, weight), P_y, axes_reduce_scatter=(axis,))
     P_fibre = fibre(P_y, (axis,))
     if P_fibre.size > 1:
         product = torch.empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, device="meta")
