@@ -65,3 +65,26 @@ def test_a_layer_on_a_sub_grid_is_refused_on_every_worker(P_world, comm):
         layer.load_state_dict(GOOD)
     assert list(DistributedLayerNorm(rows.create_cartesian_topology_partition((1, rows.size)), 6).state_dict()) \
         == ["weight", "bias"]  # without collect_state: each worker's own blocks
+
+
+@sizes(2, 3, 4)
+def test_a_partition_chosen_per_worker_is_refused_on_every_worker(P_world, comm):
+    """Each data-parallel replica's stage on its own worker (the layer on worker 2r + 1 for the workers of replica
+    r): rank 0 of the root handed the state to its own layer's rank 0 only, and the other stage's worker waited for
+    it forever (load), or sent its state where nobody received it (save)."""
+    stage = 2 * (comm.rank // 2) + 1 if 2 * (comm.rank // 2) + 1 < comm.size else 0
+    P_stage = P_world.create_partition_inclusive([stage]).create_cartesian_topology_partition((1, 1))
+    layer = DistributedLayerNorm(P_stage, 6, collect_state=True)
+    other = 2 if comm.size > 2 else None
+    expected = (f"collect_state needs DistributedLayerNorm on the same partition on every worker, got workers \\[1\\] "
+                f"of shape \\(1, 1\\) on worker 0 and \\[{3 if comm.size == 4 else 0}\\] of shape \\(1, 1\\) on "
+                f"worker {other}")
+    if other is None:  # 2 workers: one replica, one stage, the same on both
+        state = layer.state_dict()
+        assert list(state) == (["weight", "bias"] if comm.rank == 0 else [])
+        layer.load_state_dict(GOOD)
+        return
+    with pytest.raises(ValueError, match="state_dict: " + expected):
+        layer.state_dict()
+    with pytest.raises(ValueError, match="load_state_dict: " + expected):
+        layer.load_state_dict(GOOD)

@@ -138,6 +138,15 @@ class CollectStateMixin:
                              f"{type(self).__name__}'s was made by create_subpartition (each worker's own sub-grid); "
                              "build it with create_partition_inclusive and create_cartesian_topology_partition, or "
                              "use collect_state=False")
+        # Every worker's layer object must be the same layer: a partition chosen per worker (each data-parallel
+        # replica's own stage) sent the state to one of the holders only, and the others waited for it forever.
+        seen = P._root.allgather((P.root_ranks, P.shape))
+        if any(layout != seen[0] for layout in seen):
+            other = next(r for r, layout in enumerate(seen) if layout != seen[0])
+            raise ValueError(f"{where}: collect_state needs {type(self).__name__} on the same partition on every "
+                             f"worker, got workers {list(seen[0][0])} of shape {seen[0][1]} on worker 0 and "
+                             f"{list(seen[other][0])} of shape {seen[other][1]} on worker {other} (a partition chosen "
+                             "per worker, as a data-parallel replica's own stage); use collect_state=False there")
         return P
 
     def _held_elsewhere(self) -> set[str]:
