@@ -256,3 +256,57 @@ def test_activation_checkpointing_where_some_workers_save_nothing(P_world, comm,
         assert grads[0][0].numel() == (math.prod(shape) if P_0.active else 0)
         assert any(g is not None and g.numel() for g in grads[0])  # worker 1 holds the weight or the stage
         torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("kind", ["tensor parallel", "DistributedLinear", "layer norm"])
+@sizes(2, 3, 4)
+def test_double_backward_through_layers_leaving_workers_out(P_world, comm, kind):
+    """A gradient penalty through two stages on different workers, joined by repartitions whose unions hold every
+    worker: (2 workers) stage a on {0}, b on {1}; (3) a on {0, 1}, b on {1, 2}; (4) a on {0, 1}, b on {1, 2, 3}.
+    A layer's workers outside it returned a copy of their input, whose gradient does not refer to it: in the second
+    backward they skipped the repartitions and collectives behind the layer, which the members ran, and the
+    members waited for them forever. Values and gradients equal the sequential model's."""
+    from distdl.nn import DistributedLayerNorm, DistributedMSELoss, Repartition
+    from distdl.testing import scatter
+    n = comm.size
+    a, b = ([0], [1]) if n == 2 or kind == "DistributedLinear" else ([0, 1], list(range(1, n)))
+    P_a = P_world.create_partition_inclusive(a).create_cartesian_topology_partition((1, len(a)))
+    P_b = P_world.create_partition_inclusive(b).create_cartesian_topology_partition((1, len(b)))
+    torch.manual_seed(5)
+    if kind == "tensor parallel":
+        stage_a, stage_b = (DistributedLinearAllGather(P, 6, 6, collect_state=True).double() for P in (P_a, P_b))
+        sequential = [torch.nn.Linear(6, 6).double() for _ in range(2)]
+    elif kind == "DistributedLinear":  # worker 0 holds x and y, the last worker the weight: 0 is outside P_w
+        P_w = P_world.create_partition_inclusive([n - 1]).create_cartesian_topology_partition((1, 1))
+        stage_a = DistributedLinear(P_a, P_a, P_w, 6, 6, collect_state=True).double()
+        stage_b = DistributedLinearAllGather(P_b, 6, 6, collect_state=True).double()
+        sequential = [torch.nn.Linear(6, 6).double() for _ in range(2)]
+    else:
+        stage_a = DistributedLinearAllGather(P_a, 6, 6, collect_state=True).double()
+        stage_b = DistributedLayerNorm(P_b, 6, collect_state=True).double()
+        with torch.no_grad():
+            stage_b.weight.add_(random_tensor(stage_b.weight.shape, seed=9 + comm.rank) * 0.1 if P_b.active else 0)
+        sequential = [torch.nn.Linear(6, 6).double(), torch.nn.LayerNorm(6).double()]
+    distributed = torch.nn.ModuleList([stage_a, stage_b])
+    sequential = torch.nn.ModuleList(sequential)
+    sequential.load_state_dict(comm.bcast(distributed.state_dict(), root=0))
+    to_b, to_a, loss = Repartition(P_a, P_b), Repartition(P_b, P_a), DistributedMSELoss(P_a)
+    x, t = random_tensor((4, 6), seed=1), random_tensor((4, 6), seed=2)
+
+    def penalised(layers, move_b, move_a, mse, x, t):
+        x = x.requires_grad_()
+        y = move_a(torch.tanh(layers[1](move_b(torch.tanh(layers[0](x)))))) + x
+        (g,) = torch.autograd.grad(mse(y, t), [x], create_graph=True)
+        mse(g, torch.zeros_like(g)).backward()
+        return x.grad
+
+    grad = penalised(distributed, to_b, to_a, loss, scatter(x, P_a), scatter(t, P_a))
+    identity = torch.nn.Identity()
+    expected = penalised(sequential, identity, identity, torch.nn.MSELoss(), x, t)
+    torch.testing.assert_close(grad, scatter(expected, P_a), rtol=1e-10, atol=1e-12)
+    for module in (distributed, sequential):
+        torch.optim.SGD(module.parameters(), lr=1.0).step()
+    state = distributed.state_dict()
+    if comm.rank == 0:
+        for key, value in sequential.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)

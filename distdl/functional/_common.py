@@ -74,6 +74,18 @@ def in_graph(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def idle_output(x: torch.Tensor) -> torch.Tensor:
+    """Return the zero-volume output of a worker outside a layer for its zero-volume input ``x``, in the graph.
+
+    Not a copy: ``x * x``, whose gradient refers to ``x`` as the members' gradients (of a product with a weight,
+    a normalisation, a loss) refer to their inputs. A double backward (``create_graph=True``: a gradient penalty)
+    then reaches the collectives behind ``x`` on every worker; behind a copy, the workers outside skipped them
+    while the members ran them again and waited.
+    """
+    x = in_graph(x)
+    return x * x
+
+
 def receiving_in_graph(x: torch.Tensor) -> torch.Tensor:
     """Return :func:`in_graph` of the input of a worker that may receive data in place of ``x``.
 

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from distdl.backends.cuda import refuse_unsupported
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
+                                       in_graph)
 from distdl.functional.all_sum_reduce import all_sum_reduce, fibre
 from distdl.nn.linear import check_features
 from distdl.nn.module import CollectStateMixin
@@ -228,7 +229,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             refuse_unsupported(name, t)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return in_graph(x).clone()  # backward runs here too
+            return idle_output(x)  # backward runs here too
         if x.dim() != self.P_x.dim or x.shape[1] != self.num_features:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.num_features} "
                              f"channels (dimension 1) for P_x of shape {self.P_x.shape}, got shape {tuple(x.shape)}")

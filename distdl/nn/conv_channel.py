@@ -31,7 +31,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
+                                       in_graph)
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.broadcast import broadcast, broadcast_plan
 from distdl.functional.invariant import all_sum_reduce_backward
@@ -164,6 +165,8 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         x_w = broadcast(self._window(name, x), self._X, self._W)
         if self.P_w.active:
             x_w = self._local(x_w)
+        else:  # a double backward reaches the broadcast here too, as on P_w (see idle_output)
+            x_w = idle_output(x_w)
         return sum_reduce(x_w, self._W, self._Y)
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from distdl.backends import mpi as transport
 from distdl.checks import check_mode, verify
-from distdl.functional._common import check_flags, check_partition, in_graph
+from distdl.functional._common import check_flags, check_partition, idle_output, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn import _windows
@@ -135,7 +135,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         self._verify_replicas(name)
         _windows.check_input(name, x, self.P_x, self.in_channels)
         if not self.P_x.active:
-            return in_graph(x).clone()  # backward runs here too
+            return idle_output(x)  # backward runs here too
         if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
         key = ("conv", self.kernel_size, self.stride, self._pads, self.dilation, self.out_channels)

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
+                                       in_graph)
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn.batchnorm import global_moments
@@ -97,7 +98,7 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return in_graph(x).clone()  # backward runs here too
+            return idle_output(x)  # backward runs here too
         k = len(self.normalized_shape)
         if x.dim() != self.P_x.dim or tuple(x.shape[-k:]) != self.local_shape:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions ending in this worker's block "

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor
+from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, idle_output
 from distdl.functional.broadcast import broadcast, broadcast_plan
 from distdl.functional.sum_reduce import reduction_plan, sum_reduce
 from distdl.nn.module import CollectStateMixin, StateLayout
@@ -187,6 +187,8 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
         x_w = broadcast(x, self.P_x, self.P_w)
         if self.P_w.active:
             x_w = torch.nn.functional.linear(x_w, self.weight, self.bias)
+        else:  # a double backward reaches the broadcast here too, as on P_w (see idle_output)
+            x_w = idle_output(x_w)
         return sum_reduce(x_w, self.P_w, self.P_y, transpose_dest=True)
 
     def extra_repr(self) -> str:

@@ -31,7 +31,7 @@ from mpi4py import MPI
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
-                                       in_graph)
+                                       idle_output, in_graph)
 from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
@@ -154,7 +154,7 @@ def _all_gather_linear(where, x, weight, P_x, axis):
         cuda.refuse_unsupported(where, t)
     check_idle_input(where, P_x, x)
     if not P_x.active:
-        return in_graph(x).clone(), in_graph(x).clone()
+        return idle_output(x), in_graph(x).clone()
     if x.dim() != P_x.dim:
         raise ValueError(f"{where}: expected a tensor of {P_x.dim} dimensions to match P_x of shape {P_x.shape}, "
                          f"got shape {tuple(x.shape)}")
@@ -295,7 +295,7 @@ class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return in_graph(x).clone()  # backward runs here too
+            return idle_output(x)  # backward runs here too
         if x.dim() != self.P_x.dim or x.shape[-1] != self.local_in_features:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.local_in_features} "
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "

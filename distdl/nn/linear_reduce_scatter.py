@@ -32,7 +32,7 @@ from mpi4py import MPI
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
-                                       in_graph)
+                                       idle_output, in_graph)
 from distdl.functional.all_gather import all_gather, exchange_headers
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.reduce_scatter import reduce_scatter
@@ -69,7 +69,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
     axis = check_axis(where, P_y, axis)
     check_idle_input(where, P_y, x, "P_y")
     if not P_y.active:
-        return in_graph(x).clone()  # backward runs here too
+        return idle_output(x)  # backward runs here too
     if x.dim() != P_y.dim or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{where}: expected a tensor of {P_y.dim} dimensions (P_y has shape {P_y.shape}) and "
                          f"{weight.shape[1]} features (the weight's columns), got shape {tuple(x.shape)} on worker "
@@ -213,7 +213,7 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return in_graph(x).clone()  # backward runs here too
+            return idle_output(x)  # backward runs here too
         if x.dim() != self.P_x.dim or x.shape[-1] != self.local_in_features:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.local_in_features} "
                              f"features (of {self.in_features}) over P_x of shape {self.P_x.shape}, got shape "

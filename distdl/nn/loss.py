@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from distdl.checks import verify
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, in_graph
+from distdl.functional._common import check_idle_input, check_partition, check_tensor, idle_output, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
 from distdl.nn.module import StateLayout
@@ -64,8 +64,8 @@ class _DistributedLoss(torch.nn.Module):
             check_idle_input(name, self.P_x, tensor)
         if not self.P_x.active:
             if self.reduction == "none":
-                return in_graph(input).clone()  # backward runs here too
-            loss = input.sum()  # 0 from a zero-volume input; differentiable so backward() works everywhere
+                return idle_output(input)  # backward runs here too
+            loss = (input * input).sum()  # 0, differentiable so backward() works everywhere (see idle_output)
             return loss if loss.requires_grad or not torch.is_grad_enabled() else loss.requires_grad_()
         if self.reduction == "none":  # no sum: a block that fails raises here alone
             self._check_block(name, input, target)
