@@ -5,6 +5,7 @@ import torch
 
 from distdl.nn.batchnorm import DistributedBatchNorm
 from distdl.testing import assert_sequential_equivalence, random_tensor, scatter
+from distdl.utilities.torch import zero_volume_tensor
 from helpers import sizes
 
 TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
@@ -132,6 +133,24 @@ def test_double_backward_raises(P_world, comm):
     (grad,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         grad.sum().backward()
+
+
+@sizes(2, 3)
+def test_double_backward_raises_on_workers_outside_too(P_world, comm):
+    """Batch norm on the last worker between repartitions from and to worker 0: a gradient penalty raises torch's
+    "differentiate twice" error on every worker. Worker 0 (outside the layer) went on into the repartition's
+    collective in the second backward, where the last worker had raised, and waited forever."""
+    from distdl.nn import DistributedMSELoss, Repartition
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1, 1))
+    P_1 = P_world.create_partition_inclusive([comm.size - 1]).create_cartesian_topology_partition((1, 1, 1))
+    norm, mse = DistributedBatchNorm(P_1, 2).double(), DistributedMSELoss(P_0)
+    there, back = Repartition(P_0, P_1), Repartition(P_1, P_0)
+    x = (random_tensor((2, 2, 4), seed=1) if P_0.active else zero_volume_tensor(dtype=torch.float64))
+    x.requires_grad_()
+    y = back(torch.tanh(norm(there(x))))
+    (grad,) = torch.autograd.grad(mse(y, torch.zeros_like(y)), [x], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        mse(grad, torch.zeros_like(grad)).backward()
 
 
 @sizes(2, 3)

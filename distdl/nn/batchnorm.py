@@ -28,8 +28,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from distdl.backends.cuda import refuse_unsupported
-from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
-                                       in_graph)
+from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import all_sum_reduce, fibre
 from distdl.nn.linear import check_features
 from distdl.nn.module import CollectStateMixin
@@ -114,6 +113,21 @@ def _sums(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, invstd: torch.T
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(dy, x, torch.ones_like(mean), None, None, mean,
                                                                        invstd, True, 0.0, [False, True, True])
     return torch.stack([sum_dy_xhat, sum_dy])
+
+
+class _Outside(torch.autograd.Function):
+    """The output of a worker outside ``P_x``: a copy of its zero-volume input whose backward, as
+    :class:`_BatchNorm`'s, runs once only, so that a double backward raises torch's "differentiate twice" error on
+    every worker (where the members raised, the others went on into the collectives behind and waited)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return grad
 
 
 class _BatchNorm(torch.autograd.Function):
@@ -229,7 +243,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             refuse_unsupported(name, t)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
-            return idle_output(x)  # backward runs here too
+            return _Outside.apply(in_graph(x))  # backward runs here too (and raises in a double backward)
         if x.dim() != self.P_x.dim or x.shape[1] != self.num_features:
             raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions with {self.num_features} "
                              f"channels (dimension 1) for P_x of shape {self.P_x.shape}, got shape {tuple(x.shape)}")
