@@ -156,6 +156,11 @@ def test_inactive_workers_and_float32(P_world, comm):
     if not outside.active:
         assert loss.shape == () and loss.requires_grad
         loss.backward()  # a constant input still gives a loss one can call backward() on
+        for dtype in (torch.int64, torch.bool):  # integer placeholders too (torch refused a grad for their sum)
+            placeholder = torch.zeros(0, dtype=dtype)
+            loss = losses.DistributedMSELoss(outside)(placeholder, placeholder)
+            assert loss.dtype == torch.get_default_dtype() and loss.requires_grad
+            loss.backward()
     with torch.no_grad():  # but not where no graph is recorded, members and outsiders alike
         assert not losses.DistributedL1Loss(outside)(torch.zeros(0), torch.zeros(0)).requires_grad
     outside_2d = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))

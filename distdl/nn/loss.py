@@ -66,6 +66,8 @@ class _DistributedLoss(torch.nn.Module):
             if self.reduction == "none":
                 return idle_output(input)  # backward runs here too
             loss = (input * input).sum()  # 0, differentiable so backward() works everywhere (see idle_output)
+            if not (loss.is_floating_point() or loss.is_complex()):  # an integer or bool placeholder
+                loss = loss.to(torch.get_default_dtype())
             return loss if loss.requires_grad or not torch.is_grad_enabled() else loss.requires_grad_()
         if self.reduction == "none":  # no sum: a block that fails raises here alone
             self._check_block(name, input, target)
