@@ -65,7 +65,7 @@ class _DistributedLoss(torch.nn.Module):
         if not self.P_x.active:
             if self.reduction == "none":
                 return idle_output(input)  # backward runs here too
-            loss = (input * input).sum()  # 0, differentiable so backward() works everywhere (see idle_output)
+            loss = idle_output(input).sum()  # 0, and backward() works everywhere
             if not (loss.is_floating_point() or loss.is_complex()):  # an integer or bool placeholder
                 loss = loss.to(torch.get_default_dtype())
             return loss if loss.requires_grad or not torch.is_grad_enabled() else loss.requires_grad_()
