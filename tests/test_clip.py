@@ -156,3 +156,34 @@ def test_parametrized_layers_are_refused(P_world, comm):
         layer.state_dict()
     with pytest.raises(ValueError, match="load_state_dict: " + expected):
         layer.load_state_dict({})
+
+
+@sizes(1, 2, 3)
+def test_pruned_layers(P_world, comm):
+    """torch.nn.utils.prune keeps a pruned weight as weight_orig (a parameter) and weight_mask (a buffer): both are
+    laid out as the weight. They were taken for replicated copies: the norm left out the other workers' blocks and
+    a collected state dict held rank 0's blocks under the global names."""
+    from torch.nn.utils import prune
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    layer = DistributedLinearAllGather(P_f, 4, 6, collect_state=True).double()
+    sequential = torch.nn.Linear(4, 6).double()
+    sequential.load_state_dict(comm.bcast(layer.state_dict(), root=0))
+    mask = (random_tensor((6, 4), seed=5) > 0).double()  # the sequential model's mask; each worker takes its rows
+    prune.custom_from_mask(sequential, "weight", mask)
+    prune.custom_from_mask(layer, "weight", scatter(mask.T, P_f).T)
+    z, u = random_tensor((3, 4), seed=3), random_tensor((3, 6), seed=4)
+    DistributedMSELoss(P_f)(layer(scatter(z, P_f)), scatter(u, P_f)).backward()
+    torch.nn.MSELoss()(sequential(z), u).backward()
+    norm = clip_grad_norm_(layer, 0.01, P_world)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.01), rtol=1e-12,
+                               atol=0)
+    for module in (layer, sequential):
+        torch.optim.SGD(module.parameters(), lr=1.0).step()
+    state = layer.state_dict()
+    assert sorted(state) == (["bias", "weight_mask", "weight_orig"] if comm.rank == 0 else [])
+    if comm.rank == 0:
+        for key, value in sequential.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    sequential.weight_orig.data.mul_(3)  # a checkpoint the layer does not hold yet: loaded as blocks
+    layer.load_state_dict(sequential.state_dict() if comm.rank == 0 else {})
+    torch.testing.assert_close(layer(scatter(z, P_f)), scatter(sequential(z), P_f), rtol=1e-12, atol=1e-12)

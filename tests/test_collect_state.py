@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from distdl.nn import DistributedLayerNorm
+from distdl.testing import gather, random_tensor, scatter
 from helpers import sizes
 
 GOOD = torch.nn.LayerNorm(6).state_dict()
@@ -88,3 +89,30 @@ def test_a_partition_chosen_per_worker_is_refused_on_every_worker(P_world, comm)
         layer.state_dict()
     with pytest.raises(ValueError, match="load_state_dict: " + expected):
         layer.load_state_dict(GOOD)
+
+
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("given_on", ["every worker", "rank 0"])
+def test_load_pre_hooks_see_the_checkpoint(P_world, comm, given_on):
+    """A load pre-hook on the layer (renaming a key of an older checkpoint, converting a value) sees the checkpoint's
+    global entries, as torch's does: it ran after the scatter, so it saw blocks or nothing (a size mismatch on rank 0
+    and a missing key on the others)."""
+    P_x = P_world.create_cartesian_topology_partition((1, comm.size))
+    layer = DistributedLayerNorm(P_x, 6, collect_state=True).double()
+    reference = torch.nn.LayerNorm(6).double()
+
+    def migrate(module, state_dict, prefix, *rest):
+        if prefix + "w" in state_dict:
+            state_dict[prefix + "weight"] = 2 * state_dict.pop(prefix + "w")  # a global tensor: (6,)
+    layer.register_load_state_dict_pre_hook(migrate)
+    reference.register_load_state_dict_pre_hook(migrate)
+    old = {"w": random_tensor((6,), seed=1), "bias": random_tensor((6,), seed=2)}
+    reference.load_state_dict(dict(old))
+    layer.load_state_dict(dict(old) if comm.rank == 0 or given_on == "every worker" else {})
+    x = random_tensor((3, 6), seed=3)
+    torch.testing.assert_close(gather(layer(scatter(x, P_x)), P_x), reference(x), rtol=1e-12, atol=1e-12)
+    state = layer.state_dict()  # the hook is still there, and runs once
+    assert list(state) == (["weight", "bias"] if comm.rank == 0 else [])
+    if comm.rank == 0:
+        torch.testing.assert_close(state["weight"], 2 * old["w"], rtol=0, atol=0)
+    assert len(layer._load_state_dict_pre_hooks) == 1

@@ -62,7 +62,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
     grads, owned, seen = [], [], set()
     for m in module.modules():  # no communication here: a parametrized layer raises on every member alike
         check_unparametrized(where, m)
-        layouts = m._state_layouts() if isinstance(m, CollectStateMixin) else None
+        layouts = m._layouts() if isinstance(m, CollectStateMixin) else None
         for name, p in m.named_parameters(recurse=False):
             if p.grad is None or id(p) in seen:  # a parameter shared by two modules counts once
                 continue

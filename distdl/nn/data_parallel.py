@@ -576,7 +576,7 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
         """The members of P holding copies of the block of ``p`` that layer ``m`` sums (none: ``m`` sums nothing)."""
         if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
             return frozenset()
-        layout = m._state_layouts().get(name) or StateLayout(p.shape)
+        layout = m._layouts().get(name) or StateLayout(p.shape)
         return block_holders(m._state_partition(), layout.axes, P)
 
     holders: dict[int, list] = {}  # id(p) -> every (module, name) holding p

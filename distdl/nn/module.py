@@ -15,6 +15,8 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
   loading still reports missing and unexpected keys and wrong global shapes, as found in the dict that
   decided: on every member, and on rank 0 of the root where the partition leaves it out (the other
   workers outside the partition report nothing about this layer's keys).
+  Load pre-hooks on the layer (``register_load_state_dict_pre_hook``) run first, on each worker's own dict,
+  so they see the checkpoint's global entries, as on torch's layer.
 - The layer's partition must be one every worker knows: a partition made by ``create_subpartition``
   (each worker's own sub-grid) raises ValueError on every worker; use ``collect_state=False`` there.
 - Call both on every worker: ``state = model.state_dict()`` everywhere, then
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 from mpi4py import MPI
+from torch.nn.utils import prune
 
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional.all_sum_reduce import fibre
@@ -128,6 +131,16 @@ class CollectStateMixin:
         """Return the layout of every split tensor by name; the others are replicated."""
         return {}
 
+    def _layouts(self) -> dict[str, StateLayout]:
+        """Return :meth:`_state_layouts`, with the names ``torch.nn.utils.prune`` keeps a pruned tensor under (the
+        original ``<name>_orig``, a parameter, and ``<name>_mask``, a buffer), each laid out as that tensor."""
+        layouts = self._state_layouts()
+        for hook in self._forward_pre_hooks.values():
+            if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name in layouts:
+                name = hook._tensor_name
+                layouts[name + "_orig"] = layouts[name + "_mask"] = layouts[name]
+        return layouts
+
     def _collected_on(self, where: str) -> MPIPartition:
         """Return the partition the state is collected from; ValueError (on every worker) where it was made from a
         sub-grid, which is each worker's own and unknown outside its parent: rank 0 of the root could not know
@@ -155,7 +168,7 @@ class CollectStateMixin:
         return set()
 
     def _state_tensors(self) -> dict[str, tuple[torch.Tensor, StateLayout]]:
-        layouts = self._state_layouts()
+        layouts = self._layouts()
         tensors = {**self._parameters, **{k: v for k, v in self._buffers.items()
                                           if k not in self._non_persistent_buffers_set}}
         return {name: (t, layouts.get(name) or StateLayout(t.shape)) for name, t in tensors.items() if t is not None}
@@ -174,7 +187,7 @@ class CollectStateMixin:
         if not P.active:
             return
         parameters = {name: entry for name, entry in self._state_tensors().items() if name in self._parameters}
-        layouts = self._state_layouts()
+        layouts = self._layouts()
         for name, holder in getattr(self, "parametrizations", {}).items():  # weight_norm and the like: the
             for original, t in holder.named_parameters():  # parameters are the originals, laid out as the tensor
                 parameters[f"{name}.{original}"] = (t, layouts.get(name) or StateLayout(t.shape))
@@ -220,16 +233,24 @@ class CollectStateMixin:
                               error_msgs):
         reports = (missing_keys, unexpected_keys, error_msgs)
         found = [len(report) for report in reports]  # what this layer adds to each is reported below
-        P = None
-        if self.collect_state:
-            check_unparametrized("load_state_dict", self)
-            P = self._collected_on("load_state_dict")
-            self._receive_state(state_dict, prefix)
-            self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
-        for name in self._held_elsewhere():  # not unexpected here: after _receive_state, which may send it on
-            state_dict.pop(prefix + name, None)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        P, hooks = None, self._load_state_dict_pre_hooks
+        try:
+            if self.collect_state:
+                # torch runs the layer's load pre-hooks in the call below; they are to see the checkpoint's
+                # entries (global tensors, which a hook may rename or convert), not the blocks scattered from them
+                for hook in hooks.values():
+                    hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+                self._load_state_dict_pre_hooks = {}
+                check_unparametrized("load_state_dict", self)
+                P = self._collected_on("load_state_dict")
+                self._receive_state(state_dict, prefix)
+                self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
+            for name in self._held_elsewhere():  # not unexpected here: after _receive_state, which may send it on
+                state_dict.pop(prefix + name, None)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+        finally:
+            self._load_state_dict_pre_hooks = hooks
         if P is not None:
             self._agree_on_reports(P, reports, found)
 
