@@ -285,3 +285,25 @@ def test_means_far_above_the_spread(P_world, comm):
         x = random_tensor((5, 3, 4), seed=step) + offset * per_channel
         assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=step, rtol=1e-8, atol=1e-8)
         torch.testing.assert_close(layer.running_var, ref.running_var, rtol=1e-8, atol=1e-8)
+
+
+@sizes(2, 3, 4)
+def test_blocks_of_no_global_tensor_raise_on_every_worker(P_world, comm):
+    """Workers holding blocks that form no global tensor (along the length split, one with another batch size;
+    on a 2-D grid, one with another length than the worker beside it in its column): the statistics summed
+    them silently. Every worker raises; uneven blocks of one tensor still equal torch."""
+    n = comm.size
+    grid = (2, 1, n // 2) if n % 2 == 0 and n > 2 else (1, 1, n)
+    P_x = P_world.create_cartesian_topology_partition(grid)
+    layer = DistributedBatchNorm(P_x, 2).double()
+    x = scatter(random_tensor((4, 2, 2 * n + 1), seed=1), P_x)
+    if grid[0] == 1:  # another batch size on the last worker
+        wrong, message = x[:1] if comm.rank == n - 1 else x, r"dimension 0 on every worker of P_x\)"
+    else:  # another length on the last worker (index 1 along axis 2 and 0: grid (2, 1, 2))
+        wrong, message = x[..., 1:] if comm.rank == n - 1 else x, r"dimension 2 on every worker at index 1 along axis 2"
+    with pytest.raises(ValueError, match=r"DistributedBatchNorm: expected the blocks of one global tensor \(the same "
+                                         r"extent of " + message):
+        layer(wrong)
+    g = random_tensor((4, 2, 2 * n + 1), seed=2)
+    reference = torch.nn.BatchNorm1d(2).double()
+    torch.testing.assert_close(layer(scatter(g, P_x)), scatter(reference(g), P_x), rtol=1e-12, atol=1e-12)

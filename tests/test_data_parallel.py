@@ -240,6 +240,40 @@ def test_a_batch_norm_over_the_replicas(P_world, comm):
             _assert_grads(model, expected)
 
 
+@sizes(2, 3)
+@pytest.mark.parametrize("kind", ["register_parametrization", "weight_norm"])
+def test_a_parametrized_batch_norm_over_the_replicas(P_world, comm, kind):
+    """torch.nn.utils.parametrize moves the norm's weight into norm.parametrizations.weight (original): its
+    gradient, summed over P by the norm, was taken for a replica's own and summed again (P.size times torch's)."""
+    class Twice(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    def parametrized(model):
+        if kind == "weight_norm":
+            torch.nn.utils.parametrizations.weight_norm(model[1], dim=0)
+        else:
+            torch.nn.utils.parametrize.register_parametrization(model[1], "weight", Twice())
+        return model
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((7, 4), seed=71)
+    blocks = [_rows(7, comm.size, r) for r in range(comm.size)]
+    for op in ("sum", "avg"):
+        reference = parametrized(_norm_model(torch.nn.BatchNorm1d(3)))
+        total = sum(reference(x)[rows].pow(2).sum() for rows in blocks)  # each member's loss on its rows
+        (total / (comm.size if op == "avg" else 1)).backward()
+        expected = [p.grad for p in reference.parameters()]
+        for sync in ("function", "module"):
+            model, mine = parametrized(_norm_model(DistributedBatchNorm(P_x, 3))), x[blocks[comm.rank]]
+            if sync == "function":
+                model(mine).pow(2).sum().backward()
+                all_reduce_gradients(model, P_world, op=op)
+            else:
+                wrapped = DataParallel(model, P_world, op=op)  # kept: dropping it removes its hooks
+                wrapped(mine).pow(2).sum().backward()
+            _assert_grads(model, expected)
+
+
 @sizes(4)
 def test_a_batch_norm_over_more_than_the_replicas(P_world, comm):
     """Batch and length split over a 2 x 2 grid, a batch norm over all four workers, data parallelism over the

@@ -140,3 +140,18 @@ def test_errors(P_world, comm):
     with pytest.raises(ValueError, match=rf"{name}: expected indices in \[0, 5\), got values in \[-1, 5\] on "
                                          rf"worker {comm.rank}"):
         layer(torch.tensor([-1, 5]))
+
+
+@sizes(2, 3)
+def test_check_mode_names_indices_that_differ_along_the_last_axis(P_world, comm):
+    """The indices are replicated along the last axis and no collective reads them: copies that differ (in
+    values or shape) gave embeddings of no sequential model. Check mode names them, on every worker."""
+    from distdl.checks import CollectiveMismatchError, checking
+    P_x = P_world.create_cartesian_topology_partition((1, comm.size))
+    layer = DistributedEmbedding(P_x, 10, 6)
+    for indices in (torch.tensor([1, 2, 3]) + (comm.rank == 1), torch.arange(3 + (comm.rank == 1))):
+        with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedEmbedding: ranks disagree on the "
+                                                                      r"indices"):
+            layer(indices)
+    with checking():
+        assert layer(torch.tensor([1, 2, 3])).shape[0] == 3

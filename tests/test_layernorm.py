@@ -166,3 +166,17 @@ def test_means_far_above_the_spread(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size))
     layer, ref = _pair(P_x, (7,))
     assert_sequential_equivalence(layer, ref, random_tensor((2, 3, 7), seed=1) + 1e6, P_x, P_x, rtol=1e-8, atol=1e-8)
+
+
+@sizes(2, 3)
+def test_check_mode_names_workers_with_other_rows(P_world, comm):
+    """Workers normalising rows together with other leading extents: outside check mode MPI aborts where the
+    moments differ in length, and pairs up other rows silently where they do not; check mode names the layer."""
+    from distdl.checks import CollectiveMismatchError, checking
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size))
+    layer = DistributedLayerNorm(P_x, 6).double()
+    x = scatter(random_tensor((2, 3, 6), seed=1), P_x)
+    wrong = x.reshape(3, 2, -1) if comm.rank == 1 else x  # the same number of rows
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedLayerNorm: ranks disagree on the "
+                                                                  r"extents before normalized_shape"):
+        layer(wrong)

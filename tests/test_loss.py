@@ -242,3 +242,19 @@ def test_a_block_failing_on_one_worker_raises_on_every_member(P_world, comm):
                    rf"the loss failed on worker {failing} of P_x")
         with pytest.raises(ValueError, match="DistributedBCEWithLogitsLoss: " + message):
             logits(x, t)
+
+
+@sizes(2, 3)
+def test_blocks_of_no_global_tensor_raise_on_every_worker(P_world, comm):
+    """Along a feature split, a worker with another batch size: the loss summed the blocks silently (no global
+    tensor has them); every worker raises, and the next call pairs up."""
+    P_x = P_world.create_cartesian_topology_partition((1, comm.size))
+    loss = losses.DistributedMSELoss(P_x)
+    x, t = random_tensor((3, 5), seed=1), random_tensor((3, 5), seed=2)
+    x_block, t_block = scatter(x, P_x), scatter(t, P_x)
+    if comm.rank == 1:
+        x_block, t_block = x_block[:2], t_block[:2]
+    with pytest.raises(ValueError, match=r"DistributedMSELoss: expected the blocks of one global tensor \(the same "
+                                         r"extent of dimension 0 on every worker of P_x\)"):
+        loss(x_block, t_block)
+    torch.testing.assert_close(loss(scatter(x, P_x), scatter(t, P_x)), F.mse_loss(x, t), rtol=1e-12, atol=0)

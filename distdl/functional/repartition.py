@@ -59,10 +59,12 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
         P_y: the partition the result is decomposed over (same root, same dimension as ``P_x``).
         preserve_batch: zero-volume outputs keep ``x``'s first extent, as ``(b, 0)``.
     Returns:
-        A new tensor (never aliasing ``x``); zero-volume outside ``P_y``.
+        A new tensor (never aliasing ``x``); zero-volume outside ``P_y``. Where ``P_y`` equals ``P_x``, a copy
+        of ``x``, without communication (so without the check of the blocks below).
     Raises:
         ValueError: partitions of different roots or dimensions, ``x`` of the wrong dimension, data
-            outside ``P_x``, or (on every worker of both) blocks that are not one balanced decomposition.
+            outside ``P_x``, or (on every worker of both, ``P_y`` other than ``P_x``) blocks that are not one
+            balanced decomposition.
         TypeError: non-tensor input, non-partition arguments or an unsupported dtype.
     """
     where = "repartition"

@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from distdl.backends.cuda import refuse_unsupported
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, in_graph
 from distdl.functional.all_sum_reduce import all_sum_reduce, fibre
+from distdl.nn._blocks import check_extents, extent_terms
 from distdl.nn.linear import check_features
 from distdl.nn.module import CollectStateMixin
 from distdl.partition import MPIPartition
@@ -52,8 +53,8 @@ def global_moments(x: torch.Tensor, dims: tuple[int, ...], P_x: MPIPartition,
     return _merge_moments(n, local_mean, m2, P_x, axes)
 
 
-def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIPartition,
-                   axes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIPartition, axes: tuple[int, ...],
+                   block: tuple[str, tuple[int, ...]] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Return the global mean, biased variance (float64, shaped as ``local_mean``) and count.
 
     From each worker's count ``n``, mean ``m`` and centred sum of squares ``M2``. A first all-sum-reduce
@@ -62,10 +63,17 @@ def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIP
     rounding-small, so a mean far above the spread (``x + 1e6``) keeps float64's precision. Merged about
     zero, or about the previous call's mean, about two digits were lost per tenfold of mean over spread
     (2e-4 at 1e6); the extra call cost the CNN step of benchmarks/bench_layers.py 1.003-1.017x.
+    ``block``: a layer's name and this worker's block shape, checked to be a block of one global tensor along
+    ``axes`` in the first sum (:mod:`distdl.nn._blocks`).
     """
     with torch.no_grad():
         local = local_mean.detach().double()
-        first = all_sum_reduce(torch.cat([local.new_full((1,), n), (n * local).flatten()]), P_x, axes_reduce=axes)
+        terms = extent_terms(block[1], P_x, axes, local.device) if block else local.new_empty(0)
+        first = all_sum_reduce(torch.cat([local.new_full((1,), n), (n * local).flatten(), terms]), P_x,
+                               axes_reduce=axes)
+        if block:
+            check_extents(block[0], first[first.numel() - terms.numel():], block[1], P_x, axes)
+            first = first[:first.numel() - terms.numel()]
         count = first[0]
         shift = torch.nan_to_num((first[1:] / count).view(local.shape), 0.0, 0.0, 0.0)  # no data: 0
     delta = local_mean.double() - shift
@@ -252,7 +260,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         if self.training or (self.running_mean is None and self.running_var is None):  # torch's rule
             with torch.no_grad():
                 n, local_mean, m2 = _channel_moments(x.to(torch.promote_types(x.dtype, torch.float32)))
-                mean, var, count = _merge_moments(n, local_mean, m2, self.P_x, self.axes)
+                mean, var, count = _merge_moments(n, local_mean, m2, self.P_x, self.axes, (name, x.shape))
             count = float(count)
             if count == 1:  # torch's rule wherever batch statistics are used; an empty batch passes
                 raise ValueError(f"{name}: expected more than 1 value per channel when training, got 1 over P_x")

@@ -572,27 +572,34 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
         return set(), None
     members = frozenset(P.root_ranks)
 
-    def copies(m: torch.nn.Module, name: str, p: torch.Tensor) -> frozenset[int]:
-        """The members of P holding copies of the block of ``p`` that layer ``m`` sums (none: ``m`` sums nothing)."""
+    def copies(m: torch.nn.Module, layout: StateLayout | None) -> frozenset[int]:
+        """The members of P holding copies of the block of a parameter that layer ``m`` sums (none: ``m`` sums
+        nothing)."""
         if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
             return frozenset()
-        layout = m._layouts().get(name) or StateLayout(p.shape)
         return block_holders(m._state_partition(), layout.axes, P)
 
-    holders: dict[int, list] = {}  # id(p) -> every (module, name) holding p
+    # a distdl layer holds its parameters, also those torch.nn.utils.parametrize moved into its parametrizations
+    moved = {id(holder) for m in module.modules() if isinstance(m, CollectStateMixin)
+             for holder in getattr(m, "parametrizations", {}).values()}
+    holders: dict[int, list] = {}  # id(p) -> every (module, layout) holding p
     for m in module.modules():
-        for name, p in m.named_parameters(recurse=False):
-            holders.setdefault(id(p), []).append((m, name))
+        if isinstance(m, CollectStateMixin):
+            for _, p, layout in m._parameter_layouts():
+                holders.setdefault(id(p), []).append((m, layout))
+        elif id(m) not in moved:
+            for p in m.parameters(recurse=False):
+                holders.setdefault(id(p), []).append((m, None))
     summed, problem = set(), None
     for prefix, m in module.named_modules():
         if not isinstance(m, CollectStateMixin) or not m._state_partition().active:
             continue
-        for name, p in m.named_parameters(recurse=False):
+        for name, p, layout in m._parameter_layouts():
             if not p.requires_grad:  # not reduced: frozen, its copies need no sum
                 continue
-            held = copies(m, name, p)
+            held = copies(m, layout)
             what = f"{prefix + '.' if prefix else ''}{name} ({type(m).__name__})"
-            if held == members and any(copies(other, n, p) != members for other, n in holders[id(p)]):
+            if held == members and any(copies(other, theirs) != members for other, theirs in holders[id(p)]):
                 problem = problem or (f"{what} is summed over P by its layer and held by another module too (tied) "
                                       "that does not sum it over P: the gradient of the other use would not be "
                                       "summed; untie it, or wrap over workers whose layers hold separate copies "

@@ -20,7 +20,9 @@ import numbers
 
 import torch
 
+from distdl.checks import check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor
+from distdl.functional.all_sum_reduce import fibre
 from distdl.nn.linear import SeededInit, check_features
 from distdl.nn.linear_all_gather import block_extents, build_fibres, replicated
 from distdl.nn.module import CollectStateMixin, StateLayout
@@ -106,6 +108,9 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         if x.numel() and not (0 <= int(x.min()) and int(x.max()) < self.num_embeddings):
             raise ValueError(f"{name}: expected indices in [0, {self.num_embeddings}), got values in "
                              f"[{int(x.min())}, {int(x.max())}] on worker {self.P_x._root.rank}")
+        if check_mode():  # the copies of the indices along the last axis must be equal (no collective reads them)
+            verify(name, fibre(self.P_x, (self.P_x.dim - 1,)),
+                   agree={"the indices' shape": tuple(x.shape), "the indices (checksum)": checksum([x])})
         table = replicated(self.weight, self.P_x, self.axes_replicated)
         return torch.nn.functional.embedding(x, table, self.padding_idx)
 

@@ -5,7 +5,8 @@ size (``batchmean``) or 1 (``sum``): each worker sums its elementwise loss in fl
 ``[sum, count, batch]`` is summed over ``P_x`` with ``all_sum_reduce_forward`` (backward: identity),
 so every member holds the same loss and ``backward()`` on every member yields each block's exact
 gradient. ``reduction="none"`` returns the local block of the elementwise loss. A worker whose block fails (torch
-raises, or its block of ``weight`` does not fit its input) flags it in that sum: every member raises.
+raises, or its block of ``weight`` does not fit its input) flags it in that sum: every member raises. So do blocks
+that form no global tensor (their extents travel in the sum too: :mod:`distdl.nn._blocks`).
 
 ============================  ========================================================================
 worker                        does
@@ -25,6 +26,7 @@ from distdl.checks import verify
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, idle_output, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
+from distdl.nn._blocks import check_extents, extent_terms
 from distdl.nn.module import StateLayout
 from distdl.partition import MPIPartition
 
@@ -92,9 +94,12 @@ class _DistributedLoss(torch.nn.Module):
         except Exception as failure:
             packed, error = torch.zeros(3, dtype=torch.float64, device=input.device), failure
             failures[self.P_x.rank] = 1
-        total = all_sum_reduce_forward(torch.cat([packed, failures]), self.P_x, axes_reduce=self.axes)
-        if error is not None or total[3:].any():
-            self._raise_failed(name, total[3:], error)
+        # and the extents of the blocks, checked to be blocks of one global tensor (distdl.nn._blocks)
+        terms = extent_terms(input.shape if error is None else (0,) * self.P_x.dim, self.P_x, self.axes, input.device)
+        total = all_sum_reduce_forward(torch.cat([packed, failures, terms]), self.P_x, axes_reduce=self.axes)
+        if error is not None or total[3:3 + self.P_x.size].any():
+            self._raise_failed(name, total[3:3 + self.P_x.size], error)
+        check_extents(name, total[3 + self.P_x.size:], input.shape, self.P_x, self.axes)
         loss = total[0] / {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
         if self.reduction == "mean":  # nothing counted: torch's 0 / 0 = nan, also where label smoothing added to
             loss = loss + torch.where(total[1] == 0, float("nan"), 0.0)  # the sum (inf); a constant: same gradients

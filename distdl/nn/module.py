@@ -141,6 +141,17 @@ class CollectStateMixin:
                 layouts[name + "_orig"] = layouts[name + "_mask"] = layouts[name]
         return layouts
 
+    def _parameter_layouts(self) -> list[tuple[str, torch.Tensor, StateLayout]]:
+        """Return the layer's parameters, by name, with their layouts: its own and, where torch.nn.utils.parametrize
+        moved a tensor into ``parametrizations.<name>``, the originals there (laid out as that tensor)."""
+        layouts = self._layouts()
+        found = [(name, p, layouts.get(name) or StateLayout(p.shape)) for name, p in self._parameters.items()
+                 if p is not None]
+        for name, holder in getattr(self, "parametrizations", {}).items():
+            for original, p in holder.named_parameters(recurse=False):
+                found.append((f"parametrizations.{name}.{original}", p, layouts.get(name) or StateLayout(p.shape)))
+        return found
+
     def _collected_on(self, where: str) -> MPIPartition:
         """Return the partition the state is collected from; ValueError (on every worker) where it was made from a
         sub-grid, which is each worker's own and unknown outside its parent: rank 0 of the root could not know
@@ -186,13 +197,8 @@ class CollectStateMixin:
         P = self._state_partition()
         if not P.active:
             return
-        parameters = {name: entry for name, entry in self._state_tensors().items() if name in self._parameters}
-        layouts = self._layouts()
-        for name, holder in getattr(self, "parametrizations", {}).items():  # weight_norm and the like: the
-            for original, t in holder.named_parameters():  # parameters are the originals, laid out as the tensor
-                parameters[f"{name}.{original}"] = (t, layouts.get(name) or StateLayout(t.shape))
         sums: dict[tuple[int, ...], dict[str, int]] = {}
-        for name, (t, layout) in parameters.items():
+        for name, t, layout in self._parameter_layouts():
             axes = tuple(a for a in range(P.dim) if a not in layout.axes and P.shape[a] > 1)
             if axes:
                 sums.setdefault(axes, {})[f"the values of {name} (checksum)"] = checksum([t])
