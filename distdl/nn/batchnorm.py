@@ -68,12 +68,14 @@ def _merge_moments(n: int, local_mean: torch.Tensor, m2: torch.Tensor, P_x: MPIP
     """
     with torch.no_grad():
         local = local_mean.detach().double()
-        terms = extent_terms(block[1], P_x, axes, local.device) if block else local.new_empty(0)
-        first = all_sum_reduce(torch.cat([local.new_full((1,), n), (n * local).flatten(), terms]), P_x,
-                               axes_reduce=axes)
+        parts = [local.new_full((1,), n), (n * local).flatten()]
         if block:
-            check_extents(block[0], first[first.numel() - terms.numel():], block[1], P_x, axes)
-            first = first[:first.numel() - terms.numel()]
+            parts.append(extent_terms(block[1], P_x, axes, local.device))
+        first = all_sum_reduce(torch.cat(parts), P_x, axes_reduce=axes)
+        if block:
+            k = parts[-1].numel()
+            check_extents(block[0], first[-k:], block[1], P_x, axes)
+            first = first[:-k]
         count = first[0]
         shift = torch.nan_to_num((first[1:] / count).view(local.shape), 0.0, 0.0, 0.0)  # no data: 0
     delta = local_mean.double() - shift

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from distdl.checks import verify
+from distdl.checks import check_mode, verify
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
                                        in_graph)
 from distdl.functional.all_sum_reduce import fibre
@@ -108,9 +108,9 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         if not x.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
         dims = tuple(range(x.dim() - k, x.dim()))
-        # check mode: the workers normalising one row together must hold the same rows (else their moments'
-        # sums pair up other rows, or differ in length)
-        verify(name, fibre(self.P_x, self.axes), agree={"the extents before normalized_shape": tuple(x.shape[:-k])})
+        if check_mode():  # the workers normalising one row together must hold the same rows (else their moments'
+            # sums pair up other rows, or differ in length)
+            verify(name, fibre(self.P_x, self.axes), agree={"the extents before normalized_shape": tuple(x.shape[:-k])})
         mean, var, _ = global_moments(x, dims, self.P_x, self.axes)
         compute = torch.promote_types(x.dtype, torch.float32)
         y = (x.to(compute) - mean.to(compute)) * torch.rsqrt(var.to(compute) + self.eps)
