@@ -62,7 +62,10 @@ def free_released() -> None:
 
 
 def _forget_private(comm: MPI.Comm, keyval: int, private: MPI.Comm) -> None:
-    _released_private.append(private)  # the user freed ``comm``; no MPI call here (see _released)
+    """The user freed ``comm``: the partitions made from it go on working on its duplicate, which is freed once the
+    last of them is collected (at the next safe point; no MPI call here, see _released)."""
+    done = weakref.finalize(private, _released_private.append, MPI.Intracomm.fromhandle(private.handle))
+    done.atexit = False
 
 
 def _private(comm: MPI.Intracomm) -> MPI.Intracomm:
@@ -136,7 +139,8 @@ class MPIPartition:
 
     ``MPIPartition(comm)`` wraps ``comm`` (default ``MPI.COMM_WORLD``) as a root partition of
     shape ``(comm.size,)`` (``comm.dims`` for a Cartesian communicator). It works on its own duplicate of
-    ``comm``, made collectively by the first ``MPIPartition(comm)`` and kept while ``comm`` lives, so
+    ``comm``, made collectively by the first ``MPIPartition(comm)`` and kept while ``comm`` or a partition made
+    from it lives (freeing ``comm`` leaves those partitions working), so
     distdl's messages never meet the program's own on ``comm``; that first call also raises ValueError on
     every worker unless all read the same settings that shape distdl's collectives (``DISTDL_CHECK``,
     ``DISTDL_PAIRWISE_SUM_BYTES``, ``DISTDL_STRIDED_BYTES``). Every partition's ``comm`` is distdl's: for

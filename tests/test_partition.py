@@ -1,13 +1,15 @@
 """MPIPartition at 1-4 ranks: every method, inactive workers, odd sizes and the error paths."""
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
+import torch
 from mpi4py import MPI
 
-from distdl import MPIPartition, checking
-from distdl.functional import repartition
+from distdl import MPIPartition, checking, partition
+from distdl.functional import all_sum_reduce, repartition
 from distdl.partition import live_communicators
 from distdl.utilities import settings
 from distdl.utilities.torch import zero_volume_tensor
@@ -311,17 +313,28 @@ def test_free_and_no_leak(P_world, comm):
 
 @sizes(1, 2, 3)
 def test_a_root_works_on_its_own_duplicate(P_world, comm):
-    """MPIPartition(comm) duplicates comm once (every root of comm shares it), and frees the duplicate after the
-    program frees comm, at the next partition distdl makes."""
+    """MPIPartition(comm) duplicates comm once (every root of comm shares it). After the program frees comm, the
+    partitions made from it go on working (the duplicate was freed under them at distdl's next safe point: raw MPI
+    errors, or a hang where one rank reached that point and the others not), and the duplicate is freed once the
+    last of them is collected."""
     mine = comm.Dup()
     P, again = MPIPartition(mine), MPIPartition(mine)
     assert P.comm is again.comm and P.comm != mine
     assert MPI.Comm.Compare(P.comm, mine) == MPI.CONGRUENT
-    private = P.comm
+    private = weakref.ref(P.comm)
+    Q = P.create_partition_inclusive(range(comm.size)[::-1])
     mine.Free()
-    assert private != MPI.COMM_NULL  # still usable until distdl's next safe point
-    P_world.create_partition_inclusive([0])
-    assert private == MPI.COMM_NULL
+    P_world.create_partition_inclusive([0])  # safe points, where distdl frees what was released
+    live_communicators()
+    assert P.active and P.rank == comm.rank
+    x = torch.full((1,), float(comm.rank + 1))
+    assert all_sum_reduce(x, P, axes_reduce=(0,)).item() == comm.size * (comm.size + 1) / 2
+    assert torch.equal(repartition(x, P, Q), torch.full((1,), float(comm.size - comm.rank)))
+    assert P.create_partition_inclusive([0]).active == (comm.rank == 0)
+    del P, again, Q
+    gc.collect()
+    live_communicators()
+    assert private() is None and not partition._released_private  # collected, then freed
 
 
 @sizes(2, 3)
