@@ -153,5 +153,10 @@ def test_check_mode_names_indices_that_differ_along_the_last_axis(P_world, comm)
         with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedEmbedding: ranks disagree on the "
                                                                       r"indices"):
             layer(indices)
+    # a worker whose indices fail its own checks (out of range) takes part: the others raised after a timeout
+    failed = (r"DistributedEmbedding: ranks disagree on failed with: "
+              r"ranks? 0(, 2)? ha(s|ve) nothing; rank 1 has ValueError")
+    with checking(), pytest.raises(CollectiveMismatchError, match=failed):
+        layer(torch.tensor([1, 2, 3 if comm.rank != 1 else 10]))
     with checking():
         assert layer(torch.tensor([1, 2, 3])).shape[0] == 3

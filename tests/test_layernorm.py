@@ -180,3 +180,10 @@ def test_check_mode_names_workers_with_other_rows(P_world, comm):
     with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedLayerNorm: ranks disagree on the "
                                                                   r"extents before normalized_shape"):
         layer(wrong)
+    # a worker whose block fails its own check (another trailing extent) takes part: the others raised after a
+    # timeout in check mode (and wait in the moments' sum outside it, as after any layer's local check)
+    wrong = torch.cat([x, x], -1) if comm.rank == 1 else x
+    failed = (r"DistributedLayerNorm: ranks disagree on failed with: "
+              r"ranks? 0(, 2)? ha(s|ve) nothing; rank 1 has ValueError")
+    with checking(), pytest.raises(CollectiveMismatchError, match=failed):
+        layer(wrong)

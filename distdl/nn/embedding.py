@@ -20,7 +20,7 @@ import numbers
 
 import torch
 
-from distdl.checks import check_mode, checksum, verify
+from distdl.checks import announce, check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor
 from distdl.functional.all_sum_reduce import fibre
 from distdl.nn.linear import SeededInit, check_features
@@ -71,7 +71,8 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         self.P_x, self.padding_idx = P_x, padding_idx
         self.num_embeddings, self.embedding_dim = int(num_embeddings), int(embedding_dim)
         self.axes_replicated = tuple(range(P_x.dim - 1))
-        build_fibres(P_x, self.axes_replicated)  # the communicator is built here, once
+        build_fibres(P_x, self.axes_replicated)  # the communicators are built here, once
+        fibre(P_x, (P_x.dim - 1,))  # the workers sharing a block of indices (check mode compares them)
         # outside P_x an empty (0, embedding_dim) table: see [1] in distdl/nn/linear.py
         lo, hi = (block_extents(self.embedding_dim, P_x.shape[-1])[P_x.index[-1]] if P_x.active
                   else (0, self.embedding_dim))
@@ -100,17 +101,22 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
             return self.weight.flatten().clone()  # zero-volume, attached to the (zero-volume) table
-        if x.dim() != self.P_x.dim - 1:
-            raise ValueError(f"{name}: expected indices of {self.P_x.dim - 1} dimensions for P_x of shape "
-                             f"{self.P_x.shape}, got shape {tuple(x.shape)} on worker {self.P_x._root.rank}")
-        if x.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name}: expected indices of dtype torch.int64 or torch.int32, got {x.dtype}")
-        if x.numel() and not (0 <= int(x.min()) and int(x.max()) < self.num_embeddings):
-            raise ValueError(f"{name}: expected indices in [0, {self.num_embeddings}), got values in "
-                             f"[{int(x.min())}, {int(x.max())}] on worker {self.P_x._root.rank}")
+        sharing = lambda: fibre(self.P_x, (self.P_x.dim - 1,))  # noqa: E731  (the workers holding these indices)
+        try:
+            if x.dim() != self.P_x.dim - 1:
+                raise ValueError(f"{name}: expected indices of {self.P_x.dim - 1} dimensions for P_x of shape "
+                                 f"{self.P_x.shape}, got shape {tuple(x.shape)} on worker {self.P_x._root.rank}")
+            if x.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"{name}: expected indices of dtype torch.int64 or torch.int32, got {x.dtype}")
+            if x.numel() and not (0 <= int(x.min()) and int(x.max()) < self.num_embeddings):
+                raise ValueError(f"{name}: expected indices in [0, {self.num_embeddings}), got values in "
+                                 f"[{int(x.min())}, {int(x.max())}] on worker {self.P_x._root.rank}")
+        except (TypeError, ValueError) as error:
+            announce(name, sharing, error)  # check mode: the workers sharing these indices raise too
+            raise
         if check_mode():  # the copies of the indices along the last axis must be equal (no collective reads them)
-            verify(name, fibre(self.P_x, (self.P_x.dim - 1,)),
-                   agree={"the indices' shape": tuple(x.shape), "the indices (checksum)": checksum([x])})
+            verify(name, sharing(), agree={"the indices' shape": tuple(x.shape),
+                                           "the indices (checksum)": checksum([x])})
         table = replicated(self.weight, self.P_x, self.axes_replicated)
         return torch.nn.functional.embedding(x, table, self.padding_idx)
 

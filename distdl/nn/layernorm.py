@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from distdl.checks import check_mode, verify
+from distdl.checks import announce, check_mode, verify
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
                                        in_graph)
 from distdl.functional.all_sum_reduce import fibre
@@ -101,12 +101,16 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         if not self.P_x.active:
             return idle_output(x)  # backward runs here too
         k = len(self.normalized_shape)
-        if x.dim() != self.P_x.dim or tuple(x.shape[-k:]) != self.local_shape:
-            raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions ending in this worker's block "
-                             f"{self.local_shape} of normalized_shape {self.normalized_shape} over P_x of shape "
-                             f"{self.P_x.shape}, got shape {tuple(x.shape)} on worker {self.P_x._root.rank}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+        try:
+            if x.dim() != self.P_x.dim or tuple(x.shape[-k:]) != self.local_shape:
+                raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions ending in this worker's "
+                                 f"block {self.local_shape} of normalized_shape {self.normalized_shape} over P_x of "
+                                 f"shape {self.P_x.shape}, got shape {tuple(x.shape)} on worker {self.P_x._root.rank}")
+            if not x.is_floating_point():
+                raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+        except (TypeError, ValueError) as error:
+            announce(name, lambda: fibre(self.P_x, self.axes), error)  # check mode: the workers normalising
+            raise  # these rows with this one raise too
         dims = tuple(range(x.dim() - k, x.dim()))
         if check_mode():  # the workers normalising one row together must hold the same rows (else their moments'
             # sums pair up other rows, or differ in length)
