@@ -5,7 +5,7 @@ Forward ``y_j = I_j W_j x``, ``W_j`` the window exchange onto worker ``j``'s inp
 index has a known source (torch's coordinate formulas, reproduced in the same floating-point
 precision), so each worker fetches only the input window its balanced block of the global output
 reads (``window_exchange``) and gathers from it (nearest) or blends the two neighbours per
-dimension, last dimension first as torch does (linear). The backward is autograd's through
+dimension, last dimension first (linear; equal to torch's up to rounding). The backward is autograd's through
 ``window_scatter_add``, the exchange's adjoint.
 
 ============================  =====================================================================
