@@ -175,6 +175,7 @@ class MPIPartition:
         self._members = members
         self._shape = shape
         self._comm = comm
+        self._index: tuple[int, ...] | None = None
         self._cache: dict = {}
         self._finalizer = None
         self._freed = False
@@ -458,7 +459,11 @@ class MPIPartition:
     @property
     def index(self) -> tuple[int, ...] | None:
         """This worker's grid coordinates, ``None`` if inactive."""
-        return self.cartesian_index(self.rank) if self.active else None
+        if not self.active:
+            return None
+        if self._index is None:  # computed once: ~7 us each time (layers read it in their forward)
+            self._index = self.cartesian_index(self.rank)
+        return self._index
 
     @property
     def root_ranks(self) -> tuple[int, ...] | None:

@@ -19,10 +19,10 @@ from distdl.partition import MPIPartition
 def extent_terms(shape, P: MPIPartition, axes: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Return this worker's part (float64) of the sum that :func:`check_extents` reads, for dimensions ``axes``."""
     terms = np.zeros(3 * sum(P.shape[a] for a in axes))  # NumPy: a torch call costs ~1 us each here
-    start = 0
+    start, index = 0, P.index
     for a in axes:
         e = float(shape[a])
-        terms[start + 3 * P.index[a]:start + 3 * P.index[a] + 3] = (1.0, e, e * e)
+        terms[start + 3 * index[a]:start + 3 * index[a] + 3] = (1.0, e, e * e)
         start += 3 * P.shape[a]
     return torch.from_numpy(terms).to(device)
 
