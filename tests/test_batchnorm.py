@@ -299,7 +299,7 @@ def test_blocks_of_no_global_tensor_raise_on_every_worker(P_world, comm):
     x = scatter(random_tensor((4, 2, 2 * n + 1), seed=1), P_x)
     if grid[0] == 1:  # another batch size on the last worker
         wrong, message = x[:1] if comm.rank == n - 1 else x, r"dimension 0 on every worker of P_x\)"
-    else:  # another length on the last worker (index 1 along axis 2 and 0: grid (2, 1, 2))
+    else:  # another length on the last worker of the (2, 1, 2) grid than on worker 1, at its index along axis 2
         wrong, message = x[..., 1:] if comm.rank == n - 1 else x, r"dimension 2 on every worker at index 1 along axis 2"
     with pytest.raises(ValueError, match=r"DistributedBatchNorm: expected the blocks of one global tensor \(the same "
                                          r"extent of " + message):
