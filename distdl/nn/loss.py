@@ -168,8 +168,9 @@ class _Weighted(_DistributedLoss):
         for d, n in enumerate(block.shape):
             if weight.shape[d] != 1 and n != input.shape[d + offset]:
                 raise ValueError(f"{type(self).__name__}: expected a {key} broadcastable to the global input (each "
-                                 f"extent 1 or the input's global extent), got shape {tuple(weight.shape)}: its block "
-                                 f"on worker {self.P_x._root.rank} has {n} along dimension {d + offset}, the input's "
+                                 f"extent 1 or the input's global extent) and input blocks of the balanced split, "
+                                 f"which the {key} is cut into, got shape {tuple(weight.shape)}: its block on worker "
+                                 f"{self.P_x._root.rank} has {n} along dimension {d + offset}, the input's "
                                  f"{input.shape[d + offset]}")
         return block
 
