@@ -17,7 +17,7 @@ import torch
 
 from distdl.checks import verify
 from distdl.functional._common import check_partition
-from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_unparametrized
+from distdl.nn.module import block_holders, check_unparametrized, parameter_layouts
 from distdl.partition import MPIPartition
 
 __all__ = ["clip_grad_norm_"]
@@ -62,16 +62,15 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
     grads, owned, seen = [], [], set()
     for m in module.modules():  # no communication here: a parametrized layer raises on every member alike
         check_unparametrized(where, m)
-        layouts = m._layouts() if isinstance(m, CollectStateMixin) else None
-        for name, p in m.named_parameters(recurse=False):
+        for _, p, layout in parameter_layouts(m):
             if p.grad is None or id(p) in seen:  # a parameter shared by two modules counts once
                 continue
             seen.add(id(p))
             grads.append(p.grad)
-            if layouts is None:
+            if layout is None:
                 mine = P.rank == 0
             else:  # the first member of P holding a copy of this block (all of P where a layer sums over it)
-                P_m, layout = m._state_partition(), layouts.get(name) or StateLayout(p.shape)
+                P_m = m._state_partition()
                 held = P_m.active and block_holders(P_m, layout.axes + layout.first, P)
                 mine = bool(held) and min(held) == P.root_ranks[P.rank]
             if mine:

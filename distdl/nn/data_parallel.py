@@ -49,7 +49,7 @@ from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_partition
-from distdl.nn.module import CollectStateMixin, StateLayout, block_holders
+from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, parameter_layouts
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 
@@ -584,12 +584,9 @@ def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int
              for holder in getattr(m, "parametrizations", {}).values()}
     holders: dict[int, list] = {}  # id(p) -> every (module, layout) holding p
     for m in module.modules():
-        if isinstance(m, CollectStateMixin):
-            for _, p, layout in m._parameter_layouts():
+        if id(m) not in moved:
+            for _, p, layout in parameter_layouts(m):
                 holders.setdefault(id(p), []).append((m, layout))
-        elif id(m) not in moved:
-            for p in m.parameters(recurse=False):
-                holders.setdefault(id(p), []).append((m, None))
     summed, problem = set(), None
     for prefix, m in module.named_modules():
         if not isinstance(m, CollectStateMixin) or not m._state_partition().active:

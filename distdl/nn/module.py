@@ -100,6 +100,14 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
                          f"spectral_norm...) on a distdl layer's parameters, got one on {type(module).__name__}")
 
 
+def parameter_layouts(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, StateLayout | None]]:
+    """Return the parameters ``module`` holds itself, by name, with their layouts: a distdl layer's (see
+    :meth:`CollectStateMixin._parameter_layouts`), or another module's with None (it sums nothing)."""
+    if isinstance(module, CollectStateMixin):
+        return module._parameter_layouts()
+    return [(name, p, None) for name, p in module.named_parameters(recurse=False)]
+
+
 def block_holders(P_layer: MPIPartition, split: tuple[int | None, ...], P: MPIPartition) -> frozenset[int]:
     """Return the root ranks of the members of ``P`` that hold copies of this member's block of a tensor of
     ``P_layer`` split along its partition axes ``split`` (the fibre of the other axes; built once per partition)."""
