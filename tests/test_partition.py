@@ -374,6 +374,7 @@ def test_copies_share_the_partition(P_world, comm):
     """copy.deepcopy of a layer (an EMA or teacher copy) shares its partitions and copies its parameters; a
     partition cannot be pickled, and says why (deepcopy used to fail on the communicator, unclearly)."""
     import copy
+    import io
     import pickle
 
     import torch
@@ -390,6 +391,8 @@ def test_copies_share_the_partition(P_world, comm):
         with torch.no_grad():
             next(twin.parameters()).add_(1)
         assert not torch.equal(next(twin.parameters()), next(layer.parameters()))
+        with pytest.raises(TypeError, match="MPIPartition cannot be pickled"):  # torch.save(model): documented
+            torch.save(layer, io.BytesIO())
 
 
 @sizes(2, 3)

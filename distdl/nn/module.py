@@ -24,6 +24,8 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
   others where a layer has split tensors (and skips the hand-over of the others), and
   ``load_state_dict`` on rank 0 alone pairs with the others' next call (check mode, ``DISTDL_CHECK=1``,
   names both).
+- Save state dicts, not modules: ``torch.save(model, path)`` (pickling the module) raises TypeError, since a
+  partition holds an MPI communicator; build the model again where the state is loaded.
 
 How a tensor is laid out is a :class:`StateLayout`: by default every parameter and persistent
 buffer is replicated on every worker; a layer with split tensors returns a layout per name
