@@ -232,8 +232,9 @@ def test_neighbours_that_disagree_are_detected(P_world, comm):
     x = torch.arange(5.0)
     halo, recv, send = ([[0, 1]], [[0, 1]], [[0, 1]]) if comm.rank == 0 else ([[2, 0]], [[2, 0]], [[1, 0]])
     if comm.rank == 1:
-        with pytest.raises(ValueError, match=r"halo_exchange: expected 2 elements on worker 1 from its left "
-                                             r"neighbour \(rank 0 of P_x\) along dimension 0, got 1"):
+        with pytest.raises(ValueError, match=r"halo_exchange: expected 2 torch.float32 elements \(8 bytes\) on "
+                                             r"worker 1 from its left neighbour \(rank 0 of P_x\) along dimension 0, "
+                                             r"got 4 bytes \(a slab of another size or dtype\)"):
             halo_exchange(x, P_world, halo, recv, send)
     else:
         halo_exchange(x, P_world, halo, recv, send)
@@ -241,8 +242,17 @@ def test_neighbours_that_disagree_are_detected(P_world, comm):
     halo, recv, send = ([[0, 1]], [[0, 1]], [[0, 2]]) if comm.rank == 0 else ([[1, 0]], [[1, 0]], [[1, 0]])
     if comm.rank == 1:
         with pytest.raises(ValueError, match="halo_exchange: expected the neighbours of worker 1 along dimension 0 "
-                                             "to send slabs of the sizes it receives"):
+                                             "to send slabs of the sizes and dtype it receives"):
             halo_exchange(x, P_world, halo, recv, send)
+    else:
+        halo_exchange(x, P_world, halo, recv, send)
+    # Worker 0 sends 1 float32 slice, worker 1 expects 1 float64 slice (and sends none): the message names bytes
+    # and the dtype.
+    halo, recv, send = ([[0, 0]], [[0, 0]], [[0, 1]]) if comm.rank == 0 else ([[1, 0]], [[1, 0]], [[0, 0]])
+    if comm.rank == 1:
+        with pytest.raises(ValueError, match=r"expected 1 torch.float64 elements \(8 bytes\) on worker 1 from its "
+                                             r"left neighbour .* got 4 bytes \(a slab of another size or dtype\)"):
+            halo_exchange(x.double(), P_world, halo, recv, send)
     else:
         halo_exchange(x, P_world, halo, recv, send)
 

@@ -246,13 +246,14 @@ def _wait(where, P_x, d, requests, arrivals) -> None:
         MPI.Request.Waitall(requests, statuses)
     except MPI.Exception as error:
         raise ValueError(f"{where}: expected the neighbours of worker {P_x._root.rank} along dimension {d} to send "
-                         f"slabs of the sizes it receives, got an MPI error: {error}") from error
+                         f"slabs of the sizes and dtype it receives, got an MPI error: {error}") from error
     for (side, peer, _, arrival), status in zip(arrivals, statuses[::2]):
         got = status.Get_count(MPI.BYTE)
         if got != arrival.numel() * arrival.element_size():
-            raise ValueError(f"{where}: expected {arrival.numel()} elements on worker {P_x._root.rank} from its "
+            raise ValueError(f"{where}: expected {arrival.numel()} {arrival.dtype} elements "
+                             f"({arrival.numel() * arrival.element_size()} bytes) on worker {P_x._root.rank} from its "
                              f"{('left', 'right')[side]} neighbour (rank {peer} of P_x) along dimension {d}, got "
-                             f"{got // arrival.element_size()}")
+                             f"{got} bytes (a slab of another size or dtype)")
 
 
 def _scratch(P_x: MPIPartition, like: torch.Tensor, slot) -> torch.Tensor:
