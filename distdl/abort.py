@@ -57,8 +57,14 @@ def installed() -> bool:
 
 
 def install_from_environment() -> None:
-    """Install the hooks unless ``DISTDL_ABORT_ON_ERROR`` turns them off (called on import)."""
-    if flag("DISTDL_ABORT_ON_ERROR") is not False:
+    """Install the hooks unless ``DISTDL_ABORT_ON_ERROR`` turns them off (called on import); a value that cannot be
+    read installs them before raising, so the error ends the job rather than leaving the other ranks waiting."""
+    try:
+        off = flag("DISTDL_ABORT_ON_ERROR") is False
+    except ValueError:
+        install()
+        raise
+    if not off:
         install()
 
 

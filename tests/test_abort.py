@@ -129,7 +129,8 @@ def test_a_setting_read_differently_is_named(tmp_path):
     """One rank of two reads DISTDL_PAIRWISE_SUM_BYTES=0 (no pairwise sums), the other the default: the two used to
     wait for ever in a 1 MiB all_sum_reduce, each for the other's messages; now both name the setting when the
     partition is made, and the job ends. A value refused on one rank, launched without -m mpi4py, ends the job too:
-    the abort hook is installed before distdl reads its settings (rank 1 used to wait in its first partition)."""
+    the abort hook is installed before distdl reads its settings (rank 1 used to wait in its first partition), and
+    where its own setting is the one refused, before that raises."""
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec next to {sys.executable} (install the mpich extra: make install)")
     code = ("import torch, distdl\nfrom distdl.functional import all_sum_reduce\n"
@@ -139,7 +140,9 @@ def test_a_setting_read_differently_is_named(tmp_path):
              ["DISTDL_PAIRWISE_SUM_BYTES: rank 0 read 0; rank 1 read 131072",
               "ValueError: MPIPartition: the ranks of the communicator read different settings"]),
             ("DISTDL_STRIDED_BYTES", "1e6", [],
-             ["ValueError: DISTDL_STRIDED_BYTES: expected a number of bytes (0 for never), got '1e6'"])]:
+             ["ValueError: DISTDL_STRIDED_BYTES: expected a number of bytes (0 for never), got '1e6'"]),
+            ("DISTDL_ABORT_ON_ERROR", "maybe", [],  # the hook's own setting: installed before it raises
+             ["ValueError: DISTDL_ABORT_ON_ERROR: expected 1 or 0 (or true/false, yes/no, on/off), got 'maybe'"])]:
         python = [sys.executable, *module, "-c", code]
         command = [str(MPIEXEC), "-n", "1", "-env", name, value, *python, ":", "-n", "1", *python]
         try:
