@@ -91,6 +91,30 @@ def test_a_bias_held_by_a_column_of_later_ranks(P_world, comm, kind, norm_type):
         clip_grad_norm_(layer, 0.1, P_world, norm_type, foreach=1)
 
 
+@sizes(2, 3)
+@pytest.mark.parametrize("foreach", [None, False])
+def test_workers_without_gradients(P_world, comm, foreach):
+    """P_w on the last rank only: the other workers hold no weight block (and no gradient). They return the norm
+    too (the multi-tensor scale raised 'Tensor list must have at least one tensor' on them when clipping)."""
+    last = comm.size - 1
+    P_x = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
+    P_w = P_world.create_partition_inclusive([last]).create_cartesian_topology_partition([1, 1])
+    layer = DistributedLinear(P_x, P_w, P_w, 3, 2, collect_state=True).double()
+    sequential = torch.nn.Linear(3, 2).double()
+    sequential.load_state_dict(comm.bcast(layer.state_dict(), root=0))
+    x = random_tensor((4, 3), seed=1)
+    layer(scatter(x, P_x)).square().sum().backward()
+    sequential(x).square().sum().backward()
+    expected = torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.01, foreach=foreach)
+    norm = clip_grad_norm_(layer, 0.01, P_world, foreach=foreach)
+    torch.testing.assert_close(norm, expected.to(norm.dtype), rtol=1e-12, atol=0)
+    assert norm > 0.01  # clipped
+    assert (layer.weight.grad is not None) == (comm.rank == last)
+    if comm.rank == last:
+        for mine, theirs in [(layer.weight, sequential.weight), (layer.bias, sequential.bias)]:
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+
+
 @sizes(1, 2, 3)
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_a_nan_gradient_gives_a_nan_norm(P_world, comm, norm_type):

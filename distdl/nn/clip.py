@@ -86,7 +86,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
         raise RuntimeError(f"{where}: the total norm of order {norm_type} of the gradients is non-finite ({norm}), "
                            "so it cannot be clipped; set error_if_nonfinite=False to scale them by it anyway")
     coefficient = max_norm / (norm + 1e-6)
-    if not coefficient >= 1:  # a NaN norm too: every gradient becomes NaN, as torch's
+    if grads and not coefficient >= 1:  # a NaN norm too: every gradient becomes NaN, as torch's
         if foreach is False:
             for g in grads:
                 g.mul_(coefficient)
