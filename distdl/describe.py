@@ -31,11 +31,12 @@ def describe(P: MPIPartition, global_shape: Sequence[int] | None = None) -> str:
         Several lines of text, the same on every worker except for the ``<- this worker`` mark.
     Raises:
         TypeError: ``P`` not a partition, or a ``global_shape`` that is not a sequence of integers.
-        ValueError: a ``global_shape`` of the wrong length or with negative extents.
+        ValueError: a ``global_shape`` of the wrong length or with negative extents, or a freed ``P``.
     """
     where = "describe"
     if not isinstance(P, MPIPartition):
         raise TypeError(f"{where}: expected an MPIPartition, got {type(P).__name__}")
+    P._check_live(where)
     shape = None if global_shape is None else _check_shape(where, P, global_shape)
     members = P.root_ranks
     me = P.rank if P.active else -1

@@ -1,7 +1,8 @@
 """Checks for distributed operators and layers, for distdl's tests and for users' own layers.
 
 - :func:`assert_adjoint`: the dot-product test ``<F x, y> == <x, F* y>`` summed over workers, in
-  float64 with random, rank-varying ``x`` and ``y``; every worker asserts.
+  float64 (complex128 for a complex input or output) with random, rank-varying ``x`` and ``y``; every worker
+  asserts.
 - :func:`assert_sequential_equivalence`: scatter a global tensor, run the distributed operator,
   and compare outputs and input gradients with the sequential operator; a difference on any worker
   raises on every worker.
@@ -25,7 +26,11 @@ __all__ = ["assert_adjoint", "assert_sequential_equivalence", "scatter", "gather
 
 def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Return a standard normal tensor from ``seed`` (same on every worker for the same seed); complex for a
-    complex ``dtype`` (random real and imaginary parts)."""
+    complex ``dtype`` (random real and imaginary parts). ``shape`` is a sequence of extents or one int; TypeError
+    for a dtype that is neither floating nor complex."""
+    if not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
+        raise TypeError(f"random_tensor: expected a floating or complex dtype, got {dtype}")
+    shape = (shape,) if isinstance(shape, int) else shape
     generator = torch.Generator().manual_seed(seed)
     draw = torch.complex128 if dtype.is_complex else torch.float64
     return torch.randn(tuple(shape), generator=generator, dtype=draw).to(dtype)
@@ -38,6 +43,9 @@ def scatter(x_global: torch.Tensor, P: MPIPartition, preserve_batch: bool = Fals
     batch extent kept, as the primitives' ``preserve_batch`` does) instead of ``(0,)``. Raises ValueError on
     every worker, active or not, unless ``x_global`` has ``P.dim`` dimensions.
     """
+    if not isinstance(x_global, torch.Tensor):
+        raise TypeError(f"scatter: expected a tensor for x_global, got {type(x_global).__name__}")
+    P._check_live("scatter")
     if x_global.dim() != P.dim:
         raise ValueError(f"scatter: expected a tensor of {P.dim} dimensions for a partition of shape {P.shape}, "
                          f"got shape {tuple(x_global.shape)}")
@@ -53,11 +61,20 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
     """Return the global tensor assembled from the blocks of ``P`` on every worker of P's root.
 
     Collective over the root communicator (every worker calls it); for tests, not for speed.
-    Raises ValueError on every worker unless the blocks share one dtype and are the blocks of a
-    balanced decomposition (so a wrong block is never cast or written over another).
+    Raises TypeError on every worker unless every worker passes a tensor, and ValueError unless the blocks
+    share one dtype and are the blocks of a balanced decomposition (so a wrong block is never cast or
+    written over another). The global shape is the sum of the blocks' extents along each axis: blocks
+    of a balanced decomposition of another shape than the one meant (one row short on every worker of
+    an axis) gather without an error.
     """
-    blocks = P._root.allgather((P.index, x_local.detach().cpu().clone()) if P.active else None)
-    blocks = {index: block for item in blocks if item is not None for index, block in [item]}
+    P._check_live("gather")
+    mine = type(x_local).__name__ if not isinstance(x_local, torch.Tensor) else (
+        (P.index, x_local.detach().cpu().clone()) if P.active else None)
+    items = P._root.allgather(mine)
+    wrong = [f"a {item} on rank {r}" for r, item in enumerate(items) if isinstance(item, str)]
+    if wrong:
+        raise TypeError(f"gather: expected a tensor on every worker, got {', '.join(wrong)}")
+    blocks = {index: block for item in items if item is not None for index, block in [item]}
     first = next(iter(blocks.values()))  # the same block on every worker (root rank order)
     for index, block in blocks.items():
         if block.dim() != P.dim or block.dtype != first.dtype:
@@ -69,9 +86,11 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
     for index, block in blocks.items():
         start = compute_start_index(P.shape, index, shape)
         stop = compute_stop_index(P.shape, index, shape)
-        if tuple(block.shape) != tuple(int(b - a) for a, b in zip(start, stop)):
-            raise ValueError(f"gather: expected the blocks of a balanced decomposition of shape {tuple(shape)}, got "
-                             f"shape {tuple(block.shape)} at index {index}")
+        expected = tuple(int(b - a) for a, b in zip(start, stop))
+        if tuple(block.shape) != expected:
+            found = ", ".join(f"{tuple(b.shape)} at {i}" for i, b in sorted(blocks.items()))
+            raise ValueError(f"gather: expected the blocks of a balanced decomposition (they add up to shape "
+                             f"{tuple(shape)}, whose block at index {index} is {expected}), got {found}")
         out[tuple(slice(a, b) for a, b in zip(start, stop))] = block
     return out.to(x_local.device)
 
@@ -80,15 +99,31 @@ def _allsum(comm: MPI.Comm, values: list[float]) -> list[float]:
     return [float(v) for v in comm.allreduce(np.array([float(v) for v in values], dtype=np.float64))]
 
 
-def _assert_close(where: str, comm: MPI.Comm, a: float, b: float, rtol: float) -> None:
+def _assert_close(where: str, names: tuple[str, str], comm: MPI.Comm, a: float, b: float, rtol: float) -> None:
+    left, right = names
     if not abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300):
-        raise AssertionError(f"{where}: <F x, y> = {a!r} but <x, F* y> = {b!r} (relative difference "
+        raise AssertionError(f"{where}: {left} = {a!r} but {right} = {b!r} (relative difference "
                              f"{abs(a - b) / max(abs(a), abs(b), 1e-300):.3e} > {rtol:.1e}) on rank {comm.rank}")
 
 
-def _vjp(y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, create_graph: bool) -> torch.Tensor:
-    (dx,) = torch.autograd.grad(y, x, dy, create_graph=create_graph, allow_unused=True)
-    return torch.zeros_like(x) if dx is None else dx
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The real inner product (of complex tensors as pairs of reals, the one torch's gradients are adjoint in)."""
+    return (a.detach().conj() * b.detach()).real.sum()
+
+
+def _detached(what: str, y, x: torch.Tensor, rank: int) -> str | None:
+    """Return why ``y`` cannot carry a gradient back to ``x`` on this worker (None if it can)."""
+    if not isinstance(y, torch.Tensor):
+        return f"{what} on rank {rank} is a {type(y).__name__}, not a tensor"
+    if not y.requires_grad or (y.grad_fn is None and y is not x):
+        return (f"{what} on rank {rank} is not in the autograd graph of the input (detached, or a new leaf): no "
+                "gradient flows back there, and the other workers' backward would wait for it")
+    return None
+
+
+def _vjp(y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, create_graph: bool) -> torch.Tensor | None:
+    """Return the vector-Jacobian product; None where ``y`` does not depend on ``x`` in the graph."""
+    return torch.autograd.grad(y, x, dy, create_graph=create_graph, allow_unused=True)[0]
 
 
 def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, comm: MPI.Comm = MPI.COMM_WORLD,
@@ -97,22 +132,32 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 
     Every worker of ``comm`` calls this with its local input ``x``, which gives the shape and device:
     the values are replaced by random ones, as is ``y``, both drawn per rank (a linear operator's
-    adjoint does not depend on them, and zeros or ones could hide a wrong one). The inner products are
-    summed over ``comm`` and every worker asserts. With ``adjoint_of_adjoint``, the double backward is
-    checked to be the adjoint of the backward.
+    adjoint does not depend on them, and zeros or ones could hide a wrong one): float64, or complex128
+    where ``x`` or the output is complex (the inner product is then the real one, ``Re sum(conj(a) b)``,
+    in which torch's gradients are adjoints). The inner products are summed over ``comm`` and every
+    worker asserts; an output that is not a tensor in the autograd graph of ``x`` on any worker fails on
+    every worker before the backward. With ``adjoint_of_adjoint``, the double backward is checked to be
+    the adjoint of the backward (a backward that is not differentiable fails: pass False).
     """
     base = seed * 100003 + 3 * comm.rank
-    x = random_tensor(x.shape, base).to(x.device).requires_grad_()
+    x = random_tensor(x.shape, base, torch.complex128 if x.is_complex() else torch.float64).to(x.device)
+    x.requires_grad_()
     y = op(x)
-    dy = random_tensor(y.shape, base + 1).to(y.device).requires_grad_()
+    _agree(comm, _detached("assert_adjoint: the output", y, x, comm.rank))
+    dy = random_tensor(y.shape, base + 1, y.dtype if y.is_complex() else torch.float64).to(y.device).requires_grad_()
     dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
-    forward, adjoint = _allsum(comm, [(y.detach() * dy.detach()).sum(), (x.detach() * dx.detach()).sum()])
-    _assert_close("assert_adjoint", comm, forward, adjoint, rtol)
+    dx = torch.zeros_like(x) if dx is None else dx
+    forward, adjoint = _allsum(comm, [_dot(y, dy), _dot(x, dx)])
+    _assert_close("assert_adjoint", ("<F x, y>", "<x, F* y>"), comm, forward, adjoint, rtol)
     if adjoint_of_adjoint:
-        v = random_tensor(x.shape, base + 2).to(x.device)
-        dv = _vjp(dx, dy, v, create_graph=False)
-        backward, double = _allsum(comm, [(dx.detach() * v).sum(), (dy.detach() * dv).sum()])
-        _assert_close("assert_adjoint (adjoint of the adjoint)", comm, backward, double, rtol)
+        v = random_tensor(x.shape, base + 2, x.dtype).to(x.device)
+        dv = _vjp(dx, dy, v, create_graph=False) if dx.requires_grad else None
+        _agree(comm, None if dv is not None else (
+            f"assert_adjoint: the backward on rank {comm.rank} is not differentiable (its result does not depend "
+            "on the cotangent in the autograd graph); pass adjoint_of_adjoint=False to check the adjoint only"))
+        backward, double = _allsum(comm, [_dot(dx, v), _dot(dy, dv)])
+        _assert_close("assert_adjoint (adjoint of the adjoint)", ("<F* y, v>", "<y, F** v>"), comm, backward, double,
+                      rtol)
 
 
 # (rtol, atol) when not given: 1e-7/1e-9 for float64 and complex128, torch.testing.assert_close's for the others
@@ -148,11 +193,11 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     y_local = distributed(x_local)
     expected = scatter(y_ref.detach(), P_y)
     root, rank = P_x._root, P_x._root.rank
-    failure = None
-    if P_y.active:
+    failure = _detached("assert_sequential_equivalence: the output", y_local, x_local, rank)
+    if isinstance(y_local, torch.Tensor) and P_y.active:
         failure = _difference(y_local.detach(), expected, rtol, atol,
-                              f"forward differs from the sequential result on rank {rank}")
-    elif y_local.numel() != 0:
+                              f"forward differs from the sequential result on rank {rank}") or failure
+    elif isinstance(y_local, torch.Tensor) and y_local.numel() != 0:
         failure = f"rank {rank} is outside P_y but got output of shape {tuple(y_local.shape)}"
     _agree(root, failure)
     dy_global = random_tensor(y_ref.shape, seed + 7777, y_ref.dtype)

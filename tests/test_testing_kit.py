@@ -121,3 +121,91 @@ def test_scatter_checks_the_dimension_on_every_worker(P_world, comm):
         scatter(torch.ones(4), P)
     assert scatter(torch.ones(3, 4), P).shape == ((3, 4) if comm.rank == 0 else (0,))
     assert scatter(torch.ones(3, 4), P, preserve_batch=True).shape == ((3, 4) if comm.rank == 0 else (3, 0))
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """The identity, with a backward that cannot be differentiated again."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("cut", ["leaf", "detached", "None"])
+def test_an_output_cut_from_the_graph_fails_on_every_worker(P_world, comm, cut):
+    """Right values on every worker, but on worker 1 the output carries no gradient back: the other workers
+    waited in the repartition's backward, worker 1 in the kit's agreement (a hang), or worker 1 alone raised
+    torch's error (a detached output) or an AttributeError (None); now every worker fails before the backward."""
+    P_x, P_y, op = _pair(P_world, comm)
+
+    def distributed(x):
+        y = op(x)
+        if comm.rank != 1:
+            return y
+        return {"leaf": y.detach().requires_grad_(), "detached": y.detach(), "None": None}[cut]
+    what = "is a NoneType, not a tensor" if cut == "None" else "is not in the autograd graph of the input"
+    with pytest.raises(AssertionError, match=f"the output on rank 1 {what}"):
+        assert_sequential_equivalence(distributed, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)
+    with pytest.raises(AssertionError, match=f"assert_adjoint: the output on rank 1 {what}"):
+        assert_adjoint(distributed, scatter(torch.zeros(4, 5), P_x), comm)
+    assert_adjoint(op, scatter(torch.zeros(4, 5), P_x), comm)  # the next calls pair up
+
+
+@sizes(1, 2)
+def test_a_backward_that_is_not_differentiable(P_world, comm):
+    """The adjoint of the adjoint needs a differentiable backward: without one the kit says so (it compared a
+    zero for the second inner product, under the first check's labels)."""
+    op = _NotDifferentiable.apply
+    with pytest.raises(AssertionError, match=r"assert_adjoint: the backward on rank \d is not differentiable .* "
+                                             r"adjoint_of_adjoint=False"):
+        assert_adjoint(op, torch.zeros(5), comm)
+    assert_adjoint(op, torch.zeros(5), comm, adjoint_of_adjoint=False)
+    with pytest.raises(AssertionError, match=r"assert_adjoint \(adjoint of the adjoint\): <F\* y, v> = .* but "
+                                             r"<y, F\*\* v> = "):
+        assert_adjoint(lambda x: _Backward.apply(x, lambda g: _Backward.apply(g, lambda h: 2 * h)), torch.zeros(5),
+                       comm)  # the adjoint right, its adjoint twice what it should be
+
+
+@sizes(2, 3)
+def test_complex_operators(P_world, comm):
+    """A complex input is drawn complex (it was drawn real, leaving the imaginary parts unchecked), and a real
+    input into a complex output gets a complex cotangent (torch raised on the float64 one)."""
+    P_x, P_y, op = _pair(P_world, comm)
+    z = scatter(torch.zeros(4, 5, dtype=torch.complex128), P_x)
+    assert_adjoint(op, z, comm)
+    assert_adjoint(lambda x: op(x) * (1 - 2j), scatter(torch.zeros(4, 5), P_x), comm)
+    with pytest.raises(AssertionError, match="assert_adjoint"):  # a backward that drops the imaginary part
+        assert_adjoint(lambda x: _Backward.apply(op(x), lambda g: g.real.to(g.dtype)), z, comm,
+                       adjoint_of_adjoint=False)
+
+
+@sizes(2, 3)
+def test_arguments_of_the_kit(P_world, comm):
+    """Non-tensors, freed partitions and integer dtypes are named errors on every worker (gather raised
+    AttributeError on one worker while the others waited; a freed partition passed for one without members)."""
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    x = scatter(random_tensor((2 * comm.size + 1,), seed=4), P)
+    with pytest.raises(TypeError, match="gather: expected a tensor on every worker, got a ndarray on rank 1"):
+        gather(x.numpy() if comm.rank == 1 else x, P)
+    with pytest.raises(TypeError, match="scatter: expected a tensor for x_global, got ndarray"):
+        scatter(x.numpy(), P)
+    with pytest.raises(ValueError, match=r"gather: expected the blocks of a balanced decomposition \(they add up "
+                                         r"to shape .*\), got \(3,\) at \(0,\), \(1,\) at \(1,\)"):
+        gather(torch.ones(3 if comm.rank == 0 else 1), P)
+    with pytest.raises(TypeError, match="random_tensor: expected a floating or complex dtype, got torch.int64"):
+        random_tensor((2,), seed=0, dtype=torch.int64)
+    assert random_tensor(3, seed=0).shape == (3,)
+    from distdl import describe
+    Q = P_world.create_cartesian_topology_partition((comm.size,))
+    Q.free()
+    for call, where in [(lambda: scatter(torch.ones(comm.size), Q), "scatter"), (lambda: gather(x, Q), "gather"),
+                        (lambda: describe(Q), "describe")]:
+        with pytest.raises(ValueError, match=f"{where}: the partition of shape .* was freed"):
+            call()
+    torch.testing.assert_close(gather(x, P), random_tensor((2 * comm.size + 1,), seed=4), rtol=0, atol=0)
