@@ -1,5 +1,6 @@
 """clip_grad_norm_: the sequential model's gradient norm and clipping, for partitioned and replicated parameters."""
 
+import copy
 import math
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from distdl.nn import (DataParallel, DistributedBatchNorm, DistributedChannelConv1d, DistributedFeatureConv1d,
                        DistributedLinear, DistributedLinearAllGather, DistributedMSELoss, clip_grad_norm_)
+from distdl.functional import all_gather
 from distdl.testing import random_tensor, scatter
 from helpers import sizes
 
@@ -113,6 +115,45 @@ def test_workers_without_gradients(P_world, comm, foreach):
     if comm.rank == last:
         for mine, theirs in [(layer.weight, sequential.weight), (layer.bias, sequential.bias)]:
             torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_torch_modules_held_by_some_workers(P_world, comm, norm_type):
+    """A tensor-parallel linear on every worker, a torch head that only the last worker holds (a pipeline's last
+    stage) and one that only worker 0 holds: each head counts once, where it is held (the last one was counted on
+    rank 0 of P only, so it was left out of the norm and its gradient was not clipped, silently). Heads of one name
+    but different shapes raise on every worker."""
+    last = comm.size - 1
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    torch.manual_seed(5)
+    shared = DistributedLinearAllGather(P_f, 4, 5, collect_state=True).double()
+    heads = {"first": torch.nn.Linear(5, 2).double(), "last": torch.nn.Linear(5, 3).double()}
+    heads = comm.bcast(heads, root=0)  # the same initial values everywhere
+    mine = {name: heads[name] for name, rank in [("first", 0), ("last", last)] if comm.rank == rank}
+    model = torch.nn.ModuleDict({"shared": shared, **mine})
+    sequential = torch.nn.ModuleDict({"shared": torch.nn.Linear(4, 5), **copy.deepcopy(heads)}).double()
+    sequential["shared"].load_state_dict(comm.bcast(shared.state_dict(), root=0))
+    z = random_tensor((3, 4), seed=3)
+
+    def loss(layers, split):  # the workers' losses add up to the sequential one
+        h = layers["shared"](scatter(z, P_f) if split else z)
+        h = all_gather(h, P_f, axes_all_gather=(1,)) if split else h
+        terms = [layers[name](h).square().sum() for name in heads if name in layers]
+        return sum(terms, h.square().sum() * (comm.rank == 0 or not split))  # in the graph on every worker
+    loss(model, True).backward()
+    loss(sequential, False).backward()
+    expected = torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.1, norm_type)
+    norm = clip_grad_norm_(model, 0.1, P_world, norm_type)
+    torch.testing.assert_close(norm, expected.to(norm.dtype), rtol=1e-12, atol=0)
+    for name in mine:
+        for a, b in zip(model[name].parameters(), sequential[name].parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)  # clipped alike
+    other = torch.nn.Linear(5, 2 + (comm.rank == last))
+    other(torch.ones(5)).sum().backward()
+    with pytest.raises(ValueError, match=rf"clip_grad_norm_: expected the parameter head.weight of a torch module .* "
+                                         rf"of one shape, got \(2, 5\) on rank 0 of P and \(3, 5\) on rank {last}"):
+        clip_grad_norm_(torch.nn.ModuleDict({"head": other}), 0.1, P_world, norm_type)
 
 
 @sizes(1, 2, 3)

@@ -5,12 +5,15 @@ from worker to worker and is not the sequential model's, so each worker scales b
 replicated parameters (convolution kernels, normalisation parameters, data-parallel replicas) drift apart,
 silently. Here each block of a distdl layer's parameter is counted once, on the first member of ``P`` that
 holds a copy of it (all of ``P`` may: a batch norm over the batch that data parallelism splits); a parameter
-of any other module is taken as replicated over ``P`` and counted on rank 0 of ``P``.
+of any other module is taken as replicated over the members of ``P`` that hold it under its name in the model,
+and counted on the first of them (rank 0 of ``P`` where every member holds the same ones; a torch head that only
+the last stage of a pipeline holds counts there).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import torch
@@ -33,7 +36,8 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
     replicas' gradients are already equal). Every member gets the same norm and scales alike.
 
     Args:
-        module: the model (distdl layers and ordinary torch modules; the latter replicated over ``P``).
+        module: the model (distdl layers and ordinary torch modules; the latter replicated over the members that
+            hold them).
         max_norm: the largest norm allowed.
         P: the partition of the model's workers.
         norm_type: ``p`` of the p-norm, or ``math.inf``.
@@ -59,29 +63,37 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
         return torch.zeros((), dtype=torch.float64)
     # check mode: a member with another norm_type or max_norm (or making another call) scales by another factor
     verify(where, P, agree={"norm_type": repr(norm_type), "max_norm": repr(float(max_norm))})
-    grads, owned, seen = [], [], set()
-    for m in module.modules():  # no communication here: a parametrized layer raises on every member alike
+    grads, owned, plain, seen = [], [], {}, set()
+    for prefix, m in module.named_modules():  # no communication here: a parametrized layer raises on every member
         check_unparametrized(where, m)
-        for _, p, layout in parameter_layouts(m):
+        for name, p, layout in parameter_layouts(m):
             if p.grad is None or id(p) in seen:  # a parameter shared by two modules counts once
                 continue
             seen.add(id(p))
             grads.append(p.grad)
             if layout is None:
-                mine = P.rank == 0
-            else:  # the first member of P holding a copy of this block (all of P where a layer sums over it)
-                P_m = m._state_partition()
-                held = P_m.active and block_holders(P_m, layout.axes + layout.first, P)
-                mine = bool(held) and min(held) == P.root_ranks[P.rank]
-            if mine:
-                owned.append(p.grad.detach().double().abs())
-    if norm_type == math.inf:
-        maxima = [g.max() for g in owned if g.numel()]
-        local = float(torch.stack(maxima).max()) if maxima else 0.0  # a NaN wins, as in torch (Python's max drops it)
-        norm = float(P.allreduce_data(np.array([local]), op="max")[0])
+                plain[f"{prefix}.{name}" if prefix else name] = p.grad
+                continue
+            # the first member of P holding a copy of this block (all of P where a layer sums over it)
+            P_m = m._state_partition()
+            held = P_m.active and block_holders(P_m, layout.axes + layout.first, P)
+            if held and min(held) == P.root_ranks[P.rank]:
+                owned.append(p.grad)
+
+    def share(tensors) -> float:  # this worker's part of the norm: a sum of p-th powers, or a maximum
+        tensors = [g.detach().double().abs() for g in tensors]
+        if norm_type != math.inf:
+            return sum(float(g.pow(norm_type).sum()) for g in tensors)
+        maxima = [g.max() for g in tensors if g.numel()]
+        return float(torch.stack(maxima).max()) if maxima else 0.0  # a NaN wins, as in torch (Python's max drops it)
+
+    names = zlib.crc32(repr([(k, tuple(g.shape)) for k, g in plain.items()]).encode())
+    parts = P.allgather_data(np.array([share(owned), share(plain.values()), names]))
+    if (parts[:, 2] == names).all():  # every member holds the same plain parameters: rank 0 counts them
+        shares = np.concatenate([parts[:, 0], parts[:1, 1]])
     else:
-        local = sum(float(g.pow(norm_type).sum()) for g in owned)
-        norm = float(P.allreduce_data(np.array([local]))[0]) ** (1 / norm_type)
+        shares = np.concatenate([parts[:, 0], P.allgather_data(np.array([share(_first_held(where, P, plain))]))[:, 0]])
+    norm = float(shares.max()) if norm_type == math.inf else float(shares.sum()) ** (1 / norm_type)
     if error_if_nonfinite and not math.isfinite(norm):  # the same norm on every member: all raise
         raise RuntimeError(f"{where}: the total norm of order {norm_type} of the gradients is non-finite ({norm}), "
                            "so it cannot be clipped; set error_if_nonfinite=False to scale them by it anyway")
@@ -93,3 +105,18 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
         else:
             torch._foreach_mul_(grads, coefficient)
     return torch.tensor(norm, dtype=torch.float64)
+
+
+def _first_held(where: str, P: MPIPartition, plain: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Return the gradients of ``plain`` (by name) that this worker is the first member of ``P`` to hold; ValueError
+    on every member where two hold one name with different shapes."""
+    held = P.comm.allgather({name: tuple(g.shape) for name, g in plain.items()})
+    first = {}
+    for rank, shapes in enumerate(held):
+        for name, shape in shapes.items():
+            r = first.setdefault(name, rank)
+            if held[r][name] != shape:
+                raise ValueError(f"{where}: expected the parameter {name} of a torch module (replicated over the "
+                                 f"members of P that hold it) of one shape, got {held[r][name]} on rank {r} of P and "
+                                 f"{shape} on rank {rank}")
+    return [g for name, g in plain.items() if first[name] == P.rank]
