@@ -158,16 +158,19 @@ def test_torch_modules_held_by_some_workers(P_world, comm, norm_type):
 
 @sizes(1, 2, 3)
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_a_nan_gradient_gives_a_nan_norm(P_world, comm, norm_type):
-    """A NaN in one worker's block of a gradient (not the first it counts): the norm is NaN on every worker and
-    every gradient becomes NaN, as with torch's clip_grad_norm_; error_if_nonfinite raises on every worker. (The
-    inf-norm took Python's max, which drops a NaN after a number, and a NaN norm left the gradients unscaled.)"""
+@pytest.mark.parametrize("where", ["block", "copy"])
+def test_a_nan_gradient_gives_a_nan_norm(P_world, comm, norm_type, where):
+    """A NaN in one worker's block of a gradient (not the first it counts), or in the last worker's copy of a torch
+    module's: the norm is NaN on every worker and every gradient becomes NaN, as with torch's clip_grad_norm_;
+    error_if_nonfinite raises on every worker. (The inf-norm took Python's max, which drops a NaN after a number, a
+    NaN norm left the gradients unscaled, and a copy other than rank 0's was not looked at.)"""
     P_f = P_world.create_cartesian_topology_partition([1, comm.size])
-    model = torch.nn.ModuleList([DistributedLinearAllGather(P_f, 4, 5), DistributedLinearAllGather(P_f, 4, 5)])
+    model = torch.nn.ModuleList([DistributedLinearAllGather(P_f, 4, 5), DistributedLinearAllGather(P_f, 4, 5),
+                                 torch.nn.Linear(3, 2)])
     for k, p in enumerate(model.parameters()):
         p.grad = random_tensor(p.shape, seed=10 * comm.rank + k, dtype=torch.float32)
     if comm.rank == comm.size - 1:
-        model[1].weight.grad[-1, -1] = math.nan
+        model[1 if where == "block" else 2].weight.grad[-1, -1] = math.nan
     sequential = torch.nn.Linear(4, 5)
     sequential.weight.grad = torch.rand(5, 4)
     sequential.weight.grad[-1, -1] = math.nan

@@ -5,9 +5,9 @@ from worker to worker and is not the sequential model's, so each worker scales b
 replicated parameters (convolution kernels, normalisation parameters, data-parallel replicas) drift apart,
 silently. Here each block of a distdl layer's parameter is counted once, on the first member of ``P`` that
 holds a copy of it (all of ``P`` may: a batch norm over the batch that data parallelism splits); a parameter
-of any other module is taken as replicated over the members of ``P`` that hold it under its name in the model,
-and counted on the first of them (rank 0 of ``P`` where every member holds the same ones; a torch head that only
-the last stage of a pipeline holds counts there).
+of any other module is taken as replicated over the members of ``P`` that hold it under its name in the model
+(its state dict key: wrap the model alike on every worker), and counted on the first of them (rank 0 of ``P``
+where every member holds the same ones; a torch head that only the last stage of a pipeline holds counts there).
 """
 
 from __future__ import annotations
@@ -89,10 +89,12 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
 
     names = zlib.crc32(repr([(k, tuple(g.shape)) for k, g in plain.items()]).encode())
     parts = P.allgather_data(np.array([share(owned), share(plain.values()), names]))
-    if (parts[:, 2] == names).all():  # every member holds the same plain parameters: rank 0 counts them
-        shares = np.concatenate([parts[:, 0], parts[:1, 1]])
+    if not np.isfinite(parts[:, 1]).all():  # a NaN or inf in any copy makes the norm so on every member, as torch's
+        shares = np.append(parts[:, 0], parts[~np.isfinite(parts[:, 1]), 1][0])
+    elif (parts[:, 2] == names).all():  # every member holds the same plain parameters: rank 0 counts them
+        shares = np.append(parts[:, 0], parts[0, 1])
     else:
-        shares = np.concatenate([parts[:, 0], P.allgather_data(np.array([share(_first_held(where, P, plain))]))[:, 0]])
+        shares = np.append(parts[:, 0], P.allgather_data(np.array([share(_first_held(where, P, plain))]))[:, 0])
     norm = float(shares.max()) if norm_type == math.inf else float(shares.sum()) ** (1 / norm_type)
     if error_if_nonfinite and not math.isfinite(norm):  # the same norm on every member: all raise
         raise RuntimeError(f"{where}: the total norm of order {norm_type} of the gradients is non-finite ({norm}), "
