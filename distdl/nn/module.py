@@ -128,10 +128,35 @@ def block_holders(P_layer: MPIPartition, split: tuple[int | None, ...], P: MPIPa
 
 
 class CollectStateMixin:
-    """Give an ``nn.Module`` with ``P_x`` and ``collect_state`` attributes a sequential-layer state dict."""
+    """Give an ``nn.Module`` with ``P_x`` and ``collect_state`` attributes a sequential-layer state dict.
+
+    Mixing it in also makes the module a distdl layer for :func:`~distdl.nn.clip_grad_norm_`, ``DataParallel`` and
+    check mode. To write your own layer with it:
+
+    - List it before ``torch.nn.Module`` among the bases (``class MyLayer(CollectStateMixin, torch.nn.Module)``);
+      the other order raises TypeError (its state dict methods would never run).
+    - Return the layout of every split parameter and persistent buffer from ``_state_layouts()`` (the others are
+      replicated over the partition), and override ``_state_partition()`` where they live on another partition
+      than ``P_x`` (as ``DistributedLinear``'s on ``P_w``). A layout with ``first`` (a bias held by index 0 along
+      some axes) needs ``_held_elsewhere()`` on the other workers: the names they hold no block of.
+    - Sum the gradients of replicated parameters over the partition in the layer itself, as distdl's layers do
+      (with the adjoints of the primitives, or ``all_sum_reduce_backward``): ``DataParallel`` and
+      ``all_reduce_gradients`` take a distdl layer's parameters as summed already and leave them out of their
+      reductions.
+    - Call ``self._verify_replicas(name)`` at the start of ``forward`` to have check mode compare the copies of
+      replicated parameters.
+    """
 
     P_x: MPIPartition
     collect_state: bool
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        order = cls.__mro__
+        if torch.nn.Module in order and order.index(torch.nn.Module) < order.index(CollectStateMixin):
+            raise TypeError(f"{cls.__name__}: expected CollectStateMixin before torch.nn.Module among the bases, got "
+                            f"{[base.__name__ for base in cls.__bases__]} (torch's state dict methods would run "
+                            "instead of its own)")
 
     def _state_partition(self) -> MPIPartition:
         """Return the partition the parameters live on (rank 0 of it holds the collected state)."""
@@ -145,6 +170,13 @@ class CollectStateMixin:
         """Return :meth:`_state_layouts`, with the names ``torch.nn.utils.prune`` keeps a pruned tensor under (the
         original ``<name>_orig``, a parameter, and ``<name>_mask``, a buffer), each laid out as that tensor."""
         layouts = self._state_layouts()
+        dim = self._state_partition().dim
+        for name, layout in layouts.items():  # the same on every worker: wrong ones raise on all
+            if len(layout.axes) != len(layout.global_shape) or not all(
+                    a is None or 0 <= a < dim for a in layout.axes) or not all(0 <= a < dim for a in layout.first):
+                raise ValueError(f"{type(self).__name__}: expected the StateLayout of {name} to give an axis of its "
+                                 f"partition (of {dim} axes) or None per dimension of {layout.global_shape}, got "
+                                 f"axes {layout.axes} and first {layout.first}")
         for hook in self._forward_pre_hooks.values():
             if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name in layouts:
                 name = hook._tensor_name
@@ -207,13 +239,18 @@ class CollectStateMixin:
         P = self._state_partition()
         if not P.active:
             return
+        def copied(layout: StateLayout) -> tuple[int, ...]:  # the axes along which workers hold copies of a block
+            return tuple(a for a in range(P.dim) if a not in layout.axes + layout.first and P.shape[a] > 1)
         sums: dict[tuple[int, ...], dict[str, int]] = {}
         for name, t, layout in self._parameter_layouts():
-            axes = tuple(a for a in range(P.dim) if a not in layout.axes and P.shape[a] > 1)
-            if axes:
-                sums.setdefault(axes, {})[f"the values of {name} (checksum)"] = checksum([t])
-        for axes, facts in sums.items():
-            verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=facts)
+            if copied(layout):
+                sums.setdefault(copied(layout), {})[f"the values of {name} (checksum)"] = checksum([t])
+        layouts = self._layouts()
+        for name in self._held_elsewhere() & layouts.keys():  # its holders compare theirs: build the same fibres
+            if copied(layouts[name]):
+                sums.setdefault(copied(layouts[name]), {})
+        for axes in sorted(sums):
+            verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=sums[axes])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
