@@ -239,6 +239,7 @@ class CollectStateMixin:
         P = self._state_partition()
         if not P.active:
             return
+
         def copied(layout: StateLayout) -> tuple[int, ...]:  # the axes along which workers hold copies of a block
             return tuple(a for a in range(P.dim) if a not in layout.axes + layout.first and P.shape[a] > 1)
         sums: dict[tuple[int, ...], dict[str, int]] = {}
