@@ -175,7 +175,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     blocks of the sequential output over ``P_y``, then a global random cotangent (whose blocks
     differ per worker) is pulled back and input gradients compared. A difference on any worker raises
     AssertionError on every worker of the root partition (before the backward, for the forward, and for an
-    output that is not a tensor in the autograd graph of the input), so no worker is left waiting in a collective. Parameter gradients are NOT compared: both operators' parameters
+    output that is not a tensor in the autograd graph of the input), so no worker is left waiting in a
+    collective. Parameter gradients are NOT compared: both operators' parameters
     hold theirs (from the same cotangent) on return, for the caller to compare. Returns this worker's
     ``(x_local, y_local)``. ``rtol`` and ``atol``, each where not given, follow ``x_global``'s dtype: 1e-7 and
     1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for the other dtypes.
