@@ -366,13 +366,16 @@ def test_copies_of_parameters_that_differ_are_named(P_world, comm):
     """A replicated parameter changed on one worker only (DistDL's examples initialise weights on a root worker,
     which held the only copy there) gave silently wrong results; check mode names it at the next forward, for a
     layer's copies over its partition and for DataParallel's over its workers."""
-    from distdl.nn import DataParallel, DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather
+    from distdl.nn import (DataParallel, DistributedBatchNorm, DistributedFeatureConv1d, DistributedGeneralConv1d,
+                           DistributedLinearAllGather)
     P = P_world.create_cartesian_topology_partition((1, 1, comm.size))
     P_2d = P_world.create_cartesian_topology_partition((comm.size, 1))
     from torch.nn.utils.parametrizations import weight_norm
     layers = [(DistributedFeatureConv1d(P, 2, 3, 3, padding=1), "weight", (1, 2, 4)),
               (DistributedBatchNorm(P, 2), "bias", (2, 2, 4)),
               (DistributedLinearAllGather(P_2d, 4, 6), "bias", (2, 4)),
+              (DistributedGeneralConv1d(P, P, P, 2, 3, 3, padding=1), "weight", (1, 2, 4)),  # was never compared
+              (DistributedGeneralConv1d(P, P, P, 2, 3, 3, padding=1), "bias", (1, 2, 4)),
               # with a parametrization the parameters are its originals
               (weight_norm(DistributedFeatureConv1d(P, 2, 3, 3, padding=1)), "parametrizations.weight.original1",
                (1, 2, 4))]

@@ -84,3 +84,36 @@ def test_a_wrong_layout_or_base_order_is_named(P_world, comm):
     with pytest.raises(TypeError, match=r"_Wrong: expected CollectStateMixin before torch.nn.Module among the bases"):
         class _Wrong(torch.nn.Module, CollectStateMixin):
             pass
+
+
+class _ColumnScale(CollectStateMixin, torch.nn.Module):
+    """``x * scale``, a persistent buffer held by column 0 of a 2-D partition only."""
+
+    def __init__(self, P, n):
+        super().__init__()
+        self.P_x, self.collect_state, self.n = P, True, n
+        self.register_buffer("scale", torch.arange(n, dtype=torch.float64) if P.index[1] == 0 else None)
+
+    def _state_layouts(self):
+        return {"scale": StateLayout((self.n,), (None,), first=(1,))}
+
+    def _held_elsewhere(self):
+        return set() if self.P_x.index[1] == 0 else {"scale"}
+
+    def forward(self, x):
+        self._verify_replicas("ColumnScale")
+        return x if self.scale is None else x * self.scale
+
+
+@sizes(2, 4)
+def test_check_mode_with_a_buffer_held_by_one_column(P_world, comm):
+    """Only parameters' copies are compared: the workers without the buffer built a fibre for it that its holders
+    never joined (a hang in the first checked forward)."""
+    P = P_world.create_cartesian_topology_partition((comm.size // 2, 2))
+    layer = _ColumnScale(P, 3)
+    with checking(True):
+        y = layer(torch.ones(3, dtype=torch.float64))
+        state = layer.state_dict()
+    torch.testing.assert_close(y, torch.arange(3.0, dtype=torch.float64) if P.index[1] == 0 else torch.ones(3,
+                               dtype=torch.float64), rtol=0, atol=0)
+    assert list(state) == (["scale"] if comm.rank == 0 else [])

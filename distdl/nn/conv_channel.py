@@ -155,6 +155,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         """Return this worker's block of ``y``. Outside ``P_y`` it is zero-volume and, as DistDL's, keeps the batch
         extent of the block this worker sent or multiplied, ``(batch, 0)`` (so ``y.view(y.size(0), -1)`` works)."""
         name = type(self).__name__
+        self._verify_replicas(name)  # copies of a block along P_w's batch and spatial axes (the general convolution)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         if self.P_x.active:

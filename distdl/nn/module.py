@@ -246,10 +246,9 @@ class CollectStateMixin:
         for name, t, layout in self._parameter_layouts():
             if copied(layout):
                 sums.setdefault(copied(layout), {})[f"the values of {name} (checksum)"] = checksum([t])
-        layouts = self._layouts()
-        for name in self._held_elsewhere() & layouts.keys():  # its holders compare theirs: build the same fibres
-            if copied(layouts[name]):
-                sums.setdefault(copied(layouts[name]), {})
+        for layout in self._layouts().values():  # declared alike on every worker, held or not: the same fibres
+            if copied(layout):
+                sums.setdefault(copied(layout), {})
         for axes in sorted(sums):
             verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=sums[axes])
 
