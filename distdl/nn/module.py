@@ -242,13 +242,11 @@ class CollectStateMixin:
 
         def copied(layout: StateLayout) -> tuple[int, ...]:  # the axes along which workers hold copies of a block
             return tuple(a for a in range(P.dim) if a not in layout.axes + layout.first and P.shape[a] > 1)
-        sums: dict[tuple[int, ...], dict[str, int]] = {}
+        # the fibres of every declared layout, held here or not, so that every worker builds the same ones
+        sums = {axes: {} for layout in self._layouts().values() if (axes := copied(layout))}
         for name, t, layout in self._parameter_layouts():
-            if copied(layout):
-                sums.setdefault(copied(layout), {})[f"the values of {name} (checksum)"] = checksum([t])
-        for layout in self._layouts().values():  # declared alike on every worker, held or not: the same fibres
-            if copied(layout):
-                sums.setdefault(copied(layout), {})
+            if axes := copied(layout):
+                sums.setdefault(axes, {})[f"the values of {name} (checksum)"] = checksum([t])
         for axes in sorted(sums):
             verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=sums[axes])
 
