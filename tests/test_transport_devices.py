@@ -161,6 +161,68 @@ def test_layers_on_device(P_world, comm, device):
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES, indirect=True)
+@sizes(1, 2, 3)
+def test_training_utilities_on_device(P_world, comm, device):
+    """An embedding, a general convolution and losses, then clip_grad_norm_ and the collected state dict, in check
+    mode, on the device: the loss, the norm, the clipped gradients and rank 0's state dict are the CPU's."""
+    from distdl import checking
+    from distdl.nn import DistributedEmbedding, DistributedGeneralConv1d, DistributedMSELoss, clip_grad_norm_
+    P_s = P_world.create_cartesian_topology_partition([1, 1, comm.size])
+    tokens = torch.randint(0, 7, (2, 5), generator=torch.Generator().manual_seed(1))
+    x, t, u = (scatter(random_tensor(shape, seed=s), P_s) for s, shape in ((2, (2, 3, 8)), (3, (2, 4, 8)),
+                                                                            (4, (2, 5, 6))))
+    staged = cuda.stage_cpu_for_tests
+    results = []
+    for dev in (device, torch.device("cpu")):
+        cuda.stage_cpu_for_tests = staged and dev == device
+        torch.manual_seed(0)
+        model = torch.nn.ModuleList([DistributedEmbedding(P_s, 7, 6, collect_state=True),
+                                     DistributedGeneralConv1d(P_s, P_s, P_s, 3, 4, 3, padding=1, collect_state=True)])
+        model.double().to(dev)
+        embedding, conv = model
+        mse = DistributedMSELoss(P_s)
+        with checking():
+            loss = mse(embedding(tokens.to(dev)), u.to(dev)) + mse(conv(x.to(dev)), t.to(dev))
+            loss.backward()
+            norm = clip_grad_norm_(model, 0.01, P_world)
+            state = model.state_dict()
+        results.append((loss.detach().cpu(), norm.cpu(), [p.grad.cpu() for p in model.parameters()],
+                        {k: v.cpu() for k, v in state.items()}))
+    cuda.stage_cpu_for_tests = staged
+    (loss_d, norm_d, grads_d, state_d), (loss_c, norm_c, grads_c, state_c) = results
+    torch.testing.assert_close(loss_d, loss_c)
+    torch.testing.assert_close(norm_d, norm_c)
+    assert norm_c > 0.01  # clipped
+    for a, b in zip(grads_d, grads_c):
+        torch.testing.assert_close(a, b)
+    assert list(state_d) == list(state_c) == (["0.weight", "1.weight", "1.bias"] if comm.rank == 0 else [])
+    for key in state_c:
+        torch.testing.assert_close(state_d[key], state_c[key], msg=key)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@sizes(2, 3)
+def test_staged_outputs_are_pinned(P_world, comm, monkeypatch):
+    """Where CUDA tensors are staged, the host output of a collective is pinned memory (reused by torch's caching
+    host allocator, copied to the device at full speed), forward and backward."""
+    device = cuda.device_for_rank(comm)
+    if cuda.cuda_aware():
+        pytest.skip("MPI is CUDA-aware here: nothing is staged")
+    pinned = []
+    to_device = cuda._ToDevice.forward
+
+    def record(ctx, y, d):
+        pinned.append(y.is_pinned())
+        return to_device(ctx, y, d)
+    monkeypatch.setattr(cuda._ToDevice, "forward", staticmethod(record))
+    P_x = P_world.create_cartesian_topology_partition([comm.size])
+    x = random_tensor((3 * comm.size + 1,), seed=comm.rank).to(device).requires_grad_()
+    y = all_gather(x, P_x, axes_all_gather=[0])
+    y.backward(random_tensor(y.shape, seed=9).to(device))
+    assert pinned == [True, True]
+
+
 def test_staged_gradients_own_their_memory(monkeypatch):
     """The gradient a staged output passes back to its primitive is not the reusable buffer: autograd may stage
     the next one (on the device's thread) before that primitive's adjoint has read it (on the CPU's)."""

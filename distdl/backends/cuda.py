@@ -36,6 +36,9 @@ __all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged", "nee
 _log = logging.getLogger("distdl")
 _mode: bool | None = None  # True: CUDA-aware, False: staged, None: not decided yet
 _pools: dict[torch.device, torch.Tensor] = {}
+# Set once this process stages a CUDA tensor: from then on the host buffers that the primitives allocate
+# (their outputs above all, copied to the device next) come pinned, from torch's caching host allocator.
+pin_host_buffers = False
 # Test seam: stage CPU tensors too, through an unpinned pool, so CI without a GPU runs the staging path.
 stage_cpu_for_tests = False
 
@@ -141,7 +144,9 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, device):
-        return y.to(device, copy=True)
+        # Stream-ordered: a pageable y is read before the call returns; a pinned one is kept from reuse by
+        # torch's host allocator until the copy is done.
+        return y.to(device, copy=True, non_blocking=device.type == "cuda")
 
     @staticmethod
     def backward(ctx, grad):
@@ -182,6 +187,8 @@ def host_staged(function):
         if not isinstance(x, torch.Tensor) or not needs_staging(x) or x.layout != torch.strided or x.is_quantized:
             return function(*args, **kwargs)  # or refused there, with its own checks (the copy would fail first)
         # The primitive never returns an alias of its input, so the pool is free again on return.
+        global pin_host_buffers
+        pin_host_buffers = pin_host_buffers or x.is_cuda
         host = _ToHost.apply(x, True)
         args, kwargs = ((host, *args[1:]), kwargs) if args else (args, {**kwargs, name: host})
         return _ToDevice.apply(function(*args, **kwargs), x.device)

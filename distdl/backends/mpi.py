@@ -103,8 +103,10 @@ def contiguous(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 
 
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Return a new uninitialised contiguous tensor to receive into."""
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
+    """Return a new uninitialised contiguous tensor to receive into: on the host of a process that stages CUDA
+    tensors, pinned (torch's caching host allocator reuses it, and it reaches the device at full speed)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device,
+                       pin_memory=cuda.pin_host_buffers and device.type == "cpu")
 
 
 def _bytes_setting(name: str, default: int) -> int | None:

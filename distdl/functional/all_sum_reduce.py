@@ -139,7 +139,7 @@ def _sum(x: torch.Tensor, plan: FibrePlan) -> torch.Tensor:
     if plan.alone:
         return x.clone()
     x_sum = transport.contiguous(x, plan.sum_dtype)
-    y = torch.empty_like(x_sum)
+    y = transport.empty(x_sum.shape, x_sum.dtype, x_sum.device)
     transport.allreduce_sum(plan.P_fibre.comm, x_sum, y)
     return y if plan.sum_dtype is None else y.to(x.dtype)
 
