@@ -174,8 +174,8 @@ def test_training_utilities_on_device(P_world, comm, device):
                                                                             (4, (2, 5, 6))))
     staged = cuda.stage_cpu_for_tests
     results = []
-    for dev in (device, torch.device("cpu")):
-        cuda.stage_cpu_for_tests = staged and dev == device
+    for reference, dev in enumerate((device, torch.device("cpu"))):
+        cuda.stage_cpu_for_tests = staged and not reference
         torch.manual_seed(0)
         model = torch.nn.ModuleList([DistributedEmbedding(P_s, 7, 6, collect_state=True),
                                      DistributedGeneralConv1d(P_s, P_s, P_s, 3, 4, 3, padding=1, collect_state=True)])
