@@ -180,9 +180,10 @@ def _wait(where: str, comm: MPI.Comm, number: int, request: MPI.Request, buffers
         waited = time.monotonic() - start
         if limit and waited > limit:
             _abandoned.append((request, buffers))
+            others = [r for i, r in enumerate(_world_ranks(comm)) if i != comm.rank]
             raise CollectiveTimeoutError(
                 f"{where}: waited {waited:.0f} s in check mode for the other members of call {number} on this "
-                f"communicator (ranks {', '.join(map(str, _world_ranks(comm)))}) to make it too: one of them skipped "
+                f"communicator ({_ranks(others)}) to make it too: one of them skipped "
                 "it (a forward or backward() made on some ranks only) or waits in another collective; each waiting "
                 "rank names its own call (DISTDL_CHECK_TIMEOUT sets the limit in seconds, 0 for none)")
         time.sleep(pause)
