@@ -129,6 +129,24 @@ def test_new_batch_size_each_call(P_world, comm):
         assert_adjoint(layer, random_tensor(x.shape, seed=comm.rank), comm)
 
 
+@sizes(2, 3)
+def test_a_call_under_inference_mode_then_training(P_world, comm):
+    """Slabs across the last dimension are packed through cached buffers: one made by a first call under
+    torch.inference_mode (an evaluation pass) could not be written outside it, so every later call of that shape
+    raised torch's "Inplace update to inference tensor outside InferenceMode"."""
+    P_x = P_world.create_cartesian_topology_partition([1, comm.size])
+    start, stop, halo, recv, send = _layout(P_x, [3, 7], [(0, 0), (1, 1)])
+    x_global = _global([3, 7])
+    x = _padded_input(x_global, start, stop, halo)
+    with torch.inference_mode():
+        evaluated = halo_exchange(x, P_x, halo, recv, send)
+    x = x.clone().requires_grad_()
+    y = halo_exchange(x, P_x, halo, recv, send)
+    _assert_equal(y.detach(), evaluated)
+    _assert_equal(y.detach(), _expected(x.detach(), x_global, start, stop, halo, recv))
+    assert_adjoint(lambda t: halo_exchange(t, P_x, halo, recv, send), x.detach(), comm)
+
+
 @sizes(3, 4)
 def test_inactive_workers(P_world, comm):
     P_x = P_world.create_partition_inclusive([0, 1]).create_cartesian_topology_partition([2])

@@ -106,7 +106,8 @@ def _pool(device: torch.device, nbytes: int) -> torch.Tensor:
     pool = _pools.get(device)
     if pool is None or pool.numel() < nbytes:
         size = max(nbytes, 2 * (0 if pool is None else pool.numel()), 1 << 16)
-        pool = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        with torch.inference_mode(False):  # made under inference mode, it could not be written outside it
+            pool = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
         _pools[device] = pool
     return pool
 

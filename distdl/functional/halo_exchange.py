@@ -262,5 +262,6 @@ def _scratch(P_x: MPIPartition, like: torch.Tensor, slot) -> torch.Tensor:
     key = (tuple(like.shape), like.dtype, like.device, slot)
     found = cache.get(key)
     if found is None:
-        found = keep(cache, key, torch.empty(like.shape, dtype=like.dtype, device=like.device), _MAX_SCRATCH)
+        with torch.inference_mode(False):  # a buffer made under inference mode could not be written outside it
+            found = keep(cache, key, torch.empty(like.shape, dtype=like.dtype, device=like.device), _MAX_SCRATCH)
     return found
