@@ -339,6 +339,59 @@ def test_a_tied_parameter_its_layer_sums_is_refused(P_world, comm):
 
 
 @sizes(2, 3)
+def test_a_tie_made_or_undone_later_is_seen(P_world, comm):
+    """A module coming to hold a parameter that a batch norm over P's batch split sums (a tie), or ceasing to, leaves
+    the parameters alike: all_reduce_gradients kept the first call's plan (a tie made later went unrefused, that
+    use's gradient left unsummed; one undone kept raising), and DataParallel did not plan again."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    tied = r"norm\.weight \(DistributedBatchNorm\) is summed over P by its layer and held by another module too " \
+           r"\(tied\)"
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = DistributedBatchNorm(P_x, 3).double()
+
+        def forward(self, x):
+            return self.norm(x)
+
+    def tie(model, on):
+        if on:
+            model.tie = torch.nn.Module()
+            model.tie.w = model.norm.weight
+        else:
+            del model.tie
+
+    x = random_tensor((2, 3), seed=comm.rank)
+    model = Model()
+
+    def backward():
+        model.zero_grad()
+        model(x).square().sum().backward()
+    backward()
+    all_reduce_gradients(model, P_world)
+    tie(model, True)
+    backward()
+    with pytest.raises(ValueError, match=tied):
+        all_reduce_gradients(model, P_world)
+    tie(model, False)
+    backward()
+    all_reduce_gradients(model, P_world)
+    model = Model()
+    wrapped = DataParallel(model, P_world)
+    wrapped(x).square().sum().backward()
+    tie(model, True)
+    with pytest.raises(ValueError, match=tied):
+        wrapped(x)
+    tie(model, False)
+    model.zero_grad()
+    wrapped(x).square().sum().backward()
+    reference = Model()
+    reference(x).square().sum().backward()  # the layer's sum over P; "avg" divides it by P.size
+    torch.testing.assert_close(model.norm.weight.grad, reference.norm.weight.grad / comm.size)
+
+
+@sizes(2, 3)
 def test_a_tie_between_layers_that_both_sum_it_is_taken(P_world, comm):
     """An embedding over the batch that P splits tied to a head that is a distdl layer over the same batch split
     (GPT-2's tie in a Megatron-style model): both uses' gradients are summed over P by the layers, so the wrapper

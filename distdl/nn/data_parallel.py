@@ -147,13 +147,13 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
                  bucket_cap_mb: float) -> tuple[list[_Bucket], int, dict[int, torch.Tensor], str | None]:
     """Return the buckets of ``params`` but those a distdl layer sums over ``P`` already, their signature, the ids of
     those left out and a problem found with them (see :func:`_summed_by_layers`), kept between calls with the same
-    parameters.
+    parameters held by the same modules.
 
     Checking and planning cost ~3.5 us a parameter, and buckets kept keep their buffers (fresh memory costs a page
     fault per page touched). The plans live as long as ``module`` (and ``P``); the last two per module.
     """
     plans = P._memo(("gradient_plans",), weakref.WeakKeyDictionary).setdefault(module, {})
-    key = (bucket_cap_mb, _layout(params))
+    key = (bucket_cap_mb, _layout(module, params))
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
     if found is None:
         buckets, summed, problem = _plan_reduced(where, module, P, params, bucket_cap_mb)
@@ -178,7 +178,8 @@ class DataParallel(torch.nn.Module):
     torch's DDP: each replica's batch-norm statistics are rank 0's at the start of such a forward, and its own
     after it, until the next one). Such a forward is collective over ``P``: it also plans the buckets again where
     the parameters that take gradients changed since (frozen or unfrozen, converted with ``.double()``, replaced
-    by ``load_state_dict(assign=True)``, a new layer), on every member alike, and then broadcasts the parameters
+    by ``load_state_dict(assign=True)``, a new layer) or another module came to hold one or ceased to (a tie
+    made or undone), on every member alike, and then broadcasts the parameters
     from rank 0 of ``P`` again. During
     backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts
     (buckets start in a fixed order, the same on every member); all of them complete when backward ends, before
@@ -248,7 +249,7 @@ class DataParallel(torch.nn.Module):
         """Plan the buckets of ``params``, but for those a distdl layer of the module sums over ``P`` already; return
         a problem found with those (see :func:`_summed_by_layers`)."""
         self._buckets, summed, problem = _plan_reduced("DataParallel", self.module, self.P, params, self.bucket_cap_mb)
-        self._params, self._summed, self._layout = params, list(summed.values()), _layout(params)
+        self._params, self._summed, self._layout = params, list(summed.values()), _layout(self.module, params)
         return problem
 
     def _hook(self, params: list) -> None:
@@ -268,7 +269,7 @@ class DataParallel(torch.nn.Module):
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
             verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._changed[0] = _layout(params) != self._layout
+            self._changed[0] = _layout(self.module, params) != self._layout
             self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
             if self._changed[0]:
                 self._replan(params)
@@ -389,9 +390,11 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
         found._gradient_ready(p, index)
 
 
-def _layout(params: list) -> tuple:
-    """Return what the buckets of ``params`` depend on: which parameters, of which dtypes, shapes and devices."""
-    return tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params)
+def _layout(module: torch.nn.Module, params: list) -> tuple:
+    """Return what the plan of ``params`` depends on: which parameters, of which dtypes, shapes and devices, and
+    which of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters)."""
+    return (tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
+            tuple((id(m), id(p)) for m in module.modules() for p in m.parameters(recurse=False)))
 
 
 def _remove(hooks: list) -> None:
