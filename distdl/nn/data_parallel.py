@@ -394,7 +394,7 @@ def _layout(module: torch.nn.Module, params: list) -> tuple:
     """Return what the plan of ``params`` depends on: which parameters, of which dtypes, shapes and devices, and
     which of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters)."""
     return (tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
-            tuple((id(m), id(p)) for m in module.modules() for p in m.parameters(recurse=False)))
+            tuple((id(m), id(p)) for m in module.modules() for p in m._parameters.values() if p is not None))
 
 
 def _remove(hooks: list) -> None:
