@@ -11,7 +11,11 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
 - ``load_state_dict()`` (collective; call it on every worker) takes the values of rank 0 of the root
   partition (handed to the layer's rank 0 where that is another worker), checks their global shapes
   and sends each worker its block; the other workers may pass the same dict or one without these
-  keys (no missing-key error). Workers outside the partition keep their (unused) values. Strict
+  keys (no missing-key error). That holds for such layers' keys only: plain torch modules in the model
+  load each worker's own dict, as in torch, so a dict on rank 0 alone leaves them missing on the others
+  (an error there; with ``strict=False``, their replicas silently keep their own values). Load the file on
+  every worker (``torch.load(path)``), or broadcast it (``comm.bcast(state, root=0)``), and pass it
+  everywhere. Workers outside the partition keep their (unused) values. Strict
   loading still reports missing and unexpected keys and wrong global shapes, as found in the dict that
   decided: on every member, and on rank 0 of the root where the partition leaves it out (the other
   workers outside the partition report nothing about this layer's keys).
