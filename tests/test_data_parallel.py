@@ -5,6 +5,7 @@ and with it at 0 (every gradient is reduced on its own, in place where its layou
 ``Iallreduce`` (these sums are below ``PAIRWISE_SUM_BYTES``) and with the pairwise sum (the threshold lowered).
 """
 
+import builtins
 import gc
 import weakref
 
@@ -392,6 +393,33 @@ def test_a_tie_made_or_undone_later_is_seen(P_world, comm):
 
 
 @sizes(2, 3)
+def test_a_holder_replaced_by_another_kind_is_seen(P_world, comm, monkeypatch):
+    """A distdl head tied to an embedding (taken: both sum it over P) replaced by a plain torch head tied alike (to be
+    refused): the new module often takes the freed one's id, and a plan keyed on ids kept the old answer (the plain
+    use's gradient unsummed, no error). Here every module's id is the same, the worst case of ids reused."""
+    monkeypatch.setattr(data_parallel, "id", lambda obj: 0 if isinstance(obj, torch.nn.Module) else builtins.id(obj),
+                        raising=False)
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+
+    class PlainHead(torch.nn.Module):
+        def forward(self, h):
+            return torch.nn.functional.linear(h, self.weight)
+
+    model = torch.nn.Sequential(DistributedEmbedding(P_x, 7, 4).double(),
+                                DistributedLinearAllGather(P_x, 4, 7, bias=False).double())
+    model[1].weight = model[0].weight
+    wrapped = DataParallel(model, P_world, op="sum")
+    tokens = torch.randint(7, (2, 3), generator=torch.Generator().manual_seed(comm.rank))
+    wrapped(tokens).square().sum().backward()
+    del model[1]
+    model.append(PlainHead())
+    model[1].weight = model[0].weight
+    with pytest.raises(ValueError, match=r"0\.weight \(DistributedEmbedding\) is summed over P by its layer and "
+                                         r"held by another module too \(tied\)"):
+        wrapped(tokens)
+
+
+@sizes(2, 3)
 def test_a_tie_between_layers_that_both_sum_it_is_taken(P_world, comm):
     """An embedding over the batch that P splits tied to a head that is a distdl layer over the same batch split
     (GPT-2's tie in a Megatron-style model): both uses' gradients are summed over P by the layers, so the wrapper
@@ -691,9 +719,17 @@ def test_errors(P_world, comm):
         odd = torch.nn.Linear(3, 2 if comm.rank == 0 else 3)
         with pytest.raises(ValueError, match=r"all_reduce_gradients: expected the same parameters \(dtypes, "
                                              r"shapes, order\) on every worker of P, got a different layout on "
-                                             r"P ranks \[1\] than on P rank 0"):
+                                             r"P ranks \[1\] than on P rank 0; the first difference: weight "
+                                             r"\(torch.float32, shape \(2, 3\)\) on P rank 0, weight \(torch.float32, "
+                                             r"shape \(3, 3\)\) on P rank 1"):
             all_reduce_gradients(odd, P_world)
-        with pytest.raises(ValueError, match=r"DataParallel: expected the same parameters"):
+        with pytest.raises(ValueError, match=r"DataParallel: expected the same parameters .* the first difference: "
+                                             r"weight .* on P rank 0, weight .* on P rank 1"):
+            DataParallel(odd, P_world)
+        odd = torch.nn.Linear(3, 2)
+        odd.bias.requires_grad_(comm.rank != 0)  # which parameters take gradients, named too
+        with pytest.raises(ValueError, match=r"the first difference: bias \(torch.float32, shape \(2,\), frozen\) on "
+                                             r"P rank 0, bias \(torch.float32, shape \(2,\)\) on P rank 1"):
             DataParallel(odd, P_world)
 
 
