@@ -405,18 +405,35 @@ def test_a_holder_replaced_by_another_kind_is_seen(P_world, comm, monkeypatch):
         def forward(self, h):
             return torch.nn.functional.linear(h, self.weight)
 
-    model = torch.nn.Sequential(DistributedEmbedding(P_x, 7, 4).double(),
-                                DistributedLinearAllGather(P_x, 4, 7, bias=False).double())
-    model[1].weight = model[0].weight
-    wrapped = DataParallel(model, P_world, op="sum")
+    tied = r"0\.weight \(DistributedEmbedding\) is summed over P by its layer and held by another module too \(tied\)"
     tokens = torch.randint(7, (2, 3), generator=torch.Generator().manual_seed(comm.rank))
+
+    def build():
+        model = torch.nn.Sequential(DistributedEmbedding(P_x, 7, 4).double(),
+                                    DistributedLinearAllGather(P_x, 4, 7, bias=False).double())
+        model[1].weight = model[0].weight
+        return model
+
+    def replace_head(model):
+        del model[1]
+        gc.collect()  # freed (ids are reused only then)
+        model.append(PlainHead())
+        model[1].weight = model[0].weight
+
+    model = build()
+    wrapped = DataParallel(model, P_world, op="sum")
     wrapped(tokens).square().sum().backward()
-    del model[1]
-    model.append(PlainHead())
-    model[1].weight = model[0].weight
-    with pytest.raises(ValueError, match=r"0\.weight \(DistributedEmbedding\) is summed over P by its layer and "
-                                         r"held by another module too \(tied\)"):
+    replace_head(model)
+    with pytest.raises(ValueError, match=tied):
         wrapped(tokens)
+    model = build()
+    model(tokens).square().sum().backward()
+    all_reduce_gradients(model, P_world, op="sum")
+    replace_head(model)
+    model.zero_grad()
+    model(tokens).square().sum().backward()
+    with pytest.raises(ValueError, match=tied):
+        all_reduce_gradients(model, P_world, op="sum")
 
 
 @sizes(2, 3)

@@ -154,12 +154,13 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
     fault per page touched). The plans live as long as ``module`` (and ``P``); the last two per module.
     """
     plans = P._memo(("gradient_plans",), weakref.WeakKeyDictionary).setdefault(module, {})
-    key = (bucket_cap_mb, _layout(module, params))
+    layout, refs = _layout(module, params)
+    key = (bucket_cap_mb, layout)
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
-    if found is None:
+    if found is None or _gone(found[-1]):
         buckets, summed, problem = _plan_reduced(where, module, P, params, bucket_cap_mb)
-        found = keep(plans, key, (buckets, _signature(buckets, []), summed, problem), 2)
-    return found
+        found = keep(plans, key, (buckets, _signature(buckets, []), summed, problem, refs), 2)
+    return found[:4]
 
 
 def _plan_reduced(where: str, module: torch.nn.Module, P: MPIPartition, params: list,
@@ -250,7 +251,8 @@ class DataParallel(torch.nn.Module):
         """Plan the buckets of ``params``, but for those a distdl layer of the module sums over ``P`` already; return
         a problem found with those (see :func:`_summed_by_layers`)."""
         self._buckets, summed, problem = _plan_reduced("DataParallel", self.module, self.P, params, self.bucket_cap_mb)
-        self._params, self._summed, self._layout = params, list(summed.values()), _layout(self.module, params)
+        self._params, self._summed = params, list(summed.values())
+        self._layout, self._holders = _layout(self.module, params)
         return problem
 
     def _hook(self, params: list) -> None:
@@ -270,7 +272,7 @@ class DataParallel(torch.nn.Module):
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
             verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._changed[0] = _layout(self.module, params) != self._layout
+            self._changed[0] = _layout(self.module, params)[0] != self._layout or _gone(self._holders)
             self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
             if self._changed[0]:
                 self._replan(params)
@@ -393,10 +395,17 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
 
 def _layout(module: torch.nn.Module, params: list) -> tuple:
     """Return what the plan of ``params`` depends on: which parameters, of which dtypes, shapes and devices, and
-    which of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters).
-    Modules by weak reference: a dead one equals no other, where a new module may take a freed one's id."""
-    return (tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
-            tuple((weakref.ref(m), id(p)) for m in module.modules() for p in m._parameters.values() if p is not None))
+    which of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters);
+    and weak references to those modules: a new module may take the id of one freed since (see :func:`_gone`)."""
+    modules = list(module.modules())
+    return ((tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
+             tuple((id(m), id(p)) for m in modules for p in m._parameters.values() if p is not None)),
+            [weakref.ref(m) for m in modules])
+
+
+def _gone(refs: list) -> bool:
+    """Whether a module that :func:`_layout` saw has been freed since (its id may be another's now)."""
+    return any(r() is None for r in refs)
 
 
 def _remove(hooks: list) -> None:
