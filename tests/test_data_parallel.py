@@ -6,6 +6,7 @@ and with it at 0 (every gradient is reduced on its own, in place where its layou
 """
 
 import builtins
+import collections
 import gc
 import weakref
 
@@ -434,6 +435,28 @@ def test_a_holder_replaced_by_another_kind_is_seen(P_world, comm, monkeypatch):
     model(tokens).square().sum().backward()
     with pytest.raises(ValueError, match=tied):
         all_reduce_gradients(model, P_world, op="sum")
+
+
+@sizes(2, 3)
+def test_replicas_that_come_to_differ_are_named(P_world, comm):
+    """A buffer registered on one replica after wrapping made the forward's buffer broadcasts differ in number (a
+    hang, check mode too): the next forward raises on every member instead. The message names the first tensor whose
+    dtype, shape or kind differs, not one named otherwise but alike."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    wrapped = DataParallel(model, P_world)
+    wrapped(random_tensor((2, 4), seed=comm.rank, dtype=torch.float32)).sum().backward()
+    if comm.rank == 1:
+        model[0].register_buffer("stat", torch.zeros(3))
+    with pytest.raises(ValueError, match=r"DataParallel: expected the same parameters .* the first difference: "
+                                         r"nothing on P rank 0, 0\.stat \(torch\.float32, shape \(3,\), a buffer\) "
+                                         r"on P rank 1"):
+        wrapped(random_tensor((2, 4), seed=comm.rank, dtype=torch.float32))
+    layers = [("0", torch.nn.Linear(4, 5)), ("1", torch.nn.Linear(5, 3))] if comm.rank == 0 else \
+        [("enc", torch.nn.Linear(4, 5)), ("head", torch.nn.Linear(5, 4))]
+    with pytest.raises(ValueError, match=r"the first difference: 1\.weight \(torch\.float32, shape \(3, 5\)\) on "
+                                         r"P rank 0, head\.weight \(torch\.float32, shape \(4, 5\)\) on P rank 1"):
+        DataParallel(torch.nn.Sequential(collections.OrderedDict(layers)), P_world)
 
 
 @sizes(2, 3)

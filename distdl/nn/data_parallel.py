@@ -98,7 +98,8 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     # What a second reduction would change: every gradient summed, or divided where its layer summed it already
     changed = [p for b in buckets for p in b.params] if op == "sum" else list(summed.values())
     written = P._memo(("reduced gradients",), dict)  # id(p) -> (p, its .grad, weakly; the .grad's version)
-    _check_agreement(where, P, module, signature, problem, _accumulated(where, op, changed, written))
+    _check_agreement(where, P, lambda: _named(module, frozen=False, buffers=False), signature, problem,
+                     _accumulated(where, op, changed, written))
     for p in summed.values() if op == "avg" else ():  # their layers summed these over P already
         if p.grad is not None:
             p.grad.div_(P.size)
@@ -240,7 +241,7 @@ class DataParallel(torch.nn.Module):
         self._replicas = P.create_partition_inclusive(range(P.size))
         self._comm = self._replicas.comm
         states = list(module.parameters()) + list(module.buffers())
-        _check_agreement("DataParallel", P, module, _signature(self._buckets, states), problem)
+        _check_agreement("DataParallel", P, lambda: _named(module), _signature(self._buckets, states), problem)
         transport.bcast_in_place_all(P.comm, states)
         self._changed = np.zeros(1, dtype=np.int64)
         self._hooks: list = []
@@ -293,9 +294,10 @@ class DataParallel(torch.nn.Module):
                 del _REDUCING[id(p)]
         problem = self._plan_buckets(params)
         self._written = {}
-        everything = list(self.module.parameters())  # the frozen ones too, as at construction
+        everything = list(self.module.parameters()) + list(self.module.buffers())  # as at construction
         try:
-            _check_agreement("DataParallel", self.P, self.module, _signature(self._buckets, everything), problem)
+            _check_agreement("DataParallel", self.P, lambda: _named(self.module), _signature(self._buckets, everything),
+                             problem)
         except ValueError:
             self._layout = None  # unhooked: plan (and raise) again at the next forward, rather than not reduce
             raise
@@ -394,12 +396,14 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
 
 
 def _layout(module: torch.nn.Module, params: list) -> tuple:
-    """Return what the plan of ``params`` depends on: which parameters, of which dtypes, shapes and devices, and
-    which of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters);
-    and weak references to those modules: a new module may take the id of one freed since (see :func:`_gone`)."""
+    """Return what the plan of ``params`` depends on: which parameters, of which dtypes, shapes and devices, which
+    of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters), and
+    the dtypes and shapes of its buffers (which DataParallel broadcasts); and weak references to those modules: a
+    new module may take the id of one freed since (see :func:`_gone`)."""
     modules = list(module.modules())
     return ((tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
-             tuple((id(m), id(p)) for m in modules for p in m._parameters.values() if p is not None)),
+             tuple((id(m), id(p)) for m in modules for p in m._parameters.values() if p is not None),
+             tuple((b.dtype, b.shape) for m in modules for b in m._buffers.values() if b is not None)),
             [weakref.ref(m) for m in modules])
 
 
@@ -549,11 +553,12 @@ def _signature(buckets: list[_Bucket], tensors: list[torch.Tensor]) -> int:
     return zlib.crc32(repr(layout).encode())
 
 
-def _check_agreement(where: str, P: MPIPartition, module: torch.nn.Module, signature: int, problem: str | None = None,
+def _check_agreement(where: str, P: MPIPartition, tensors, signature: int, problem: str | None = None,
                      misuse: str | None = None) -> None:
-    """Raise on every member if the members' layouts differ (MPI would hang or mix data up; naming the first tensor
-    of ``module`` that differs), if a member found a ``problem`` with a parameter a layer sums itself (see
-    :func:`_summed_by_layers`; ValueError), or a ``misuse`` (RuntimeError, the message as it is)."""
+    """Raise on every member if the members' layouts differ (MPI would hang or mix data up; naming the first of
+    ``tensors()``, the named tensors the signature covers, whose dtype, shape or kind differs), if a member found a
+    ``problem`` with a parameter a layer sums itself (see :func:`_summed_by_layers`; ValueError), or a ``misuse``
+    (RuntimeError, the message as it is)."""
     mine = np.array([signature, problem is not None, misuse is not None], dtype=np.int64)
     everyone = np.empty((P.size, 3), dtype=np.int64)
     P.comm.Allgather(mine, everyone)
@@ -566,14 +571,25 @@ def _check_agreement(where: str, P: MPIPartition, module: torch.nn.Module, signa
     everyone = everyone[:, 0]
     differ = [int(r) for r in np.flatnonzero(everyone != everyone[0])]
     if differ:
-        mine = [f"{name} ({t.dtype}, shape {tuple(t.shape)}{', frozen' if not t.requires_grad else ''})"
-                for name, t in (*module.named_parameters(), *module.named_buffers())]
+        mine = [(name, (str(t.dtype), tuple(t.shape), kind)) for name, t, kind in tensors()]
         first, other = P.comm.bcast(mine, root=0), P.comm.bcast(mine, root=differ[0])
-        a, b = next((a, b) for a, b in itertools.zip_longest(first, other, fillvalue="nothing") if a != b) \
-            if first != other else ("the same tensors", "the same tensors, bucketed otherwise")
+        pair = next(((a, b) for a, b in itertools.zip_longest(first, other) if a is None or b is None or a[1] != b[1]),
+                    None)
+        name = lambda entry: "nothing" if entry is None else \
+            f"{entry[0]} ({entry[1][0]}, shape {entry[1][1]}{entry[1][2]})"
         raise ValueError(f"{where}: expected the same parameters (dtypes, shapes, order) on every worker of P, "
-                         f"got a different layout on P ranks {differ} than on P rank 0; the first difference: "
-                         f"{a} on P rank 0, {b} on P rank {differ[0]}")
+                         f"got a different layout on P ranks {differ} than on P rank 0; " + (
+                             f"the first difference: {name(pair[0])} on P rank 0, {name(pair[1])} on P rank "
+                             f"{differ[0]}" if pair else "the same tensors in other buckets (another bucket_cap_mb, "
+                             "or a layer that sums a parameter over P on some workers only)"))
+
+
+def _named(module: torch.nn.Module, frozen: bool = True, buffers: bool = True) -> list[tuple[str, torch.Tensor, str]]:
+    """Return ``module``'s parameters (the ``frozen`` ones too) and ``buffers`` as (name, tensor, kind) for
+    :func:`_check_agreement`."""
+    found = [(n, p, "" if p.requires_grad else ", frozen") for n, p in module.named_parameters()
+             if frozen or p.requires_grad]
+    return found + ([(n, b, ", a buffer") for n, b in module.named_buffers()] if buffers else [])
 
 
 def _summed_by_layers(module: torch.nn.Module, P: MPIPartition) -> tuple[set[int], str | None]:
