@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import gc
+import itertools
 import weakref
 import zlib
 from collections import Counter
@@ -182,8 +182,8 @@ class DataParallel(torch.nn.Module):
     after it, until the next one). Such a forward is collective over ``P``: it also plans the buckets again where
     the parameters that take gradients changed since (frozen or unfrozen, converted with ``.double()``, replaced
     by ``load_state_dict(assign=True)``, a new layer), another module came to hold one or ceased to (a tie
-    made or undone) or the buffers changed (one added, another dtype or shape), on every member alike, and then broadcasts the parameters
-    from rank 0 of ``P`` again. During
+    made or undone) or the buffers changed (one added, another dtype or shape), on every member alike, and then
+    broadcasts the parameters and buffers from rank 0 of ``P`` again. During
     backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts
     (buckets start in a fixed order, the same on every member); all of them complete when backward ends, before
     anyone can read ``.grad``.
