@@ -155,12 +155,11 @@ def _cached_plan(where: str, module: torch.nn.Module, P: MPIPartition, params: l
     fault per page touched). The plans live as long as ``module`` (and ``P``); the last two per module.
     """
     plans = P._memo(("gradient_plans",), weakref.WeakKeyDictionary).setdefault(module, {})
-    layout, refs = _layout(module, params)
-    key = (bucket_cap_mb, layout)
+    key = (bucket_cap_mb, _layout(module, params))
     found = plans.get(key)  # the buckets hold the parameters, so no other parameter can take their ids
     if found is None or _gone(found[-1]):
         buckets, summed, problem = _plan_reduced(where, module, P, params, bucket_cap_mb)
-        found = keep(plans, key, (buckets, _signature(buckets, []), summed, problem, refs), 2)
+        found = keep(plans, key, (buckets, _signature(buckets, []), summed, problem, _holders(module)), 2)
     return found[:4]
 
 
@@ -253,7 +252,7 @@ class DataParallel(torch.nn.Module):
         a problem found with those (see :func:`_summed_by_layers`)."""
         self._buckets, summed, problem = _plan_reduced("DataParallel", self.module, self.P, params, self.bucket_cap_mb)
         self._params, self._summed = params, list(summed.values())
-        self._layout, self._holders = _layout(self.module, params)
+        self._layout, self._holders = _layout(self.module, params), _holders(self.module)
         return problem
 
     def _hook(self, params: list) -> None:
@@ -273,7 +272,7 @@ class DataParallel(torch.nn.Module):
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
             verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._changed[0] = _layout(self.module, params)[0] != self._layout or _gone(self._holders)
+            self._changed[0] = _layout(self.module, params) != self._layout or _gone(self._holders)
             self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
             if self._changed[0]:
                 self._replan(params)
@@ -398,17 +397,21 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
 def _layout(module: torch.nn.Module, params: list) -> tuple:
     """Return what the plan of ``params`` depends on: which parameters, of which dtypes, shapes and devices, which
     of ``module``'s modules hold each (a tie made or undone changes what the layers sum, not the parameters), and
-    the dtypes and shapes of its buffers (which DataParallel broadcasts); and weak references to those modules: a
-    new module may take the id of one freed since (see :func:`_gone`)."""
+    the dtypes and shapes of its buffers (which DataParallel broadcasts). Modules by id: a plan keeps
+    :func:`_holders` beside, since a new module may take the id of one freed since."""
     modules = list(module.modules())
-    return ((tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
-             tuple((id(m), id(p)) for m in modules for p in m._parameters.values() if p is not None),
-             tuple((b.dtype, b.shape) for m in modules for b in m._buffers.values() if b is not None)),
-            [weakref.ref(m) for m in modules])
+    return (tuple((id(p), p.dtype, p.shape, p.device, _grad_dtype(p)) for p in params),
+            tuple((id(m), id(p)) for m in modules for p in m._parameters.values() if p is not None),
+            tuple((b.dtype, b.shape) for m in modules for b in m._buffers.values() if b is not None))
+
+
+def _holders(module: torch.nn.Module) -> list[weakref.ref]:
+    """Return weak references to ``module``'s modules, for :func:`_gone` (made when planning, not at each call)."""
+    return [weakref.ref(m) for m in module.modules()]
 
 
 def _gone(refs: list) -> bool:
-    """Whether a module that :func:`_layout` saw has been freed since (its id may be another's now)."""
+    """Whether a module that :func:`_holders` saw has been freed since (its id may be another's now)."""
     return any(r() is None for r in refs)
 
 
