@@ -235,6 +235,32 @@ def test_staged_gradients_own_their_memory(monkeypatch):
         assert torch.equal(grad, g)
 
 
+@sizes(2, 3)
+def test_halos_and_windows_stage_only_their_slabs(P_world, comm, monkeypatch):
+    """Where tensors are staged, halo_exchange and window_exchange (under the windowed layers) take only the slabs
+    they send through host memory, forward and backward; the rest of a block stays on its device."""
+    from distdl.nn import DistributedFeatureConv1d
+    monkeypatch.setattr(cuda, "stage_cpu_for_tests", True)
+    slabs, wholes = [], []
+    host_copies, to_host = cuda.host_copies, cuda._to_host
+    monkeypatch.setattr(cuda, "host_copies", lambda ts: slabs.extend(t.numel() for t in ts) or host_copies(ts))
+    monkeypatch.setattr(cuda, "_to_host", lambda x, reuse: wholes.append(x.numel()) or to_host(x, reuse))
+    neighbours = (comm.rank > 0) + (comm.rank < comm.size - 1)
+    P_x = P_world.create_cartesian_topology_partition([comm.size, 1])
+    widths = [[1, 1], [0, 0]]
+    x = random_tensor((6, 3), seed=comm.rank).requires_grad_()
+    y = halo_exchange(x, P_x, widths, widths, widths)
+    y.backward(random_tensor(y.shape, seed=10 + comm.rank))
+    assert (wholes, slabs) == ([], [3] * 2 * neighbours)  # one row to each neighbour, each way
+    slabs.clear()
+    conv = DistributedFeatureConv1d(P_world.create_cartesian_topology_partition([1, 1, comm.size]), 2, 3, 3,
+                                    padding=1).double()
+    x = random_tensor((4, 2, 5), seed=comm.rank).requires_grad_()
+    y = conv(x)
+    y.backward(random_tensor(y.shape, seed=20 + comm.rank))
+    assert slabs == [4 * 2] * 2 * neighbours  # a column of every sample and channel to each neighbour, each way
+
+
 @sizes(1, 2)
 def test_staged_calls_by_keyword(P_world, comm, monkeypatch):
     """The staging wrapper finds the tensor by its name too (``y`` for the adjoints)."""

@@ -11,8 +11,10 @@ The mode is chosen once per process:
 Staging happens at the boundary of each primitive (:func:`host_staged`): the input is copied
 with a non-blocking device-to-host copy into a reusable pinned buffer, the one CPU
 implementation of the primitive runs, and the result is copied back to the device. Both copies
-are autograd operations, so backward (and double backward) stage the same way. Several ranks may
-share one GPU; :func:`device_for_rank` maps each rank on a node to a device.
+are autograd operations, so backward (and double backward) stage the same way. The window and
+halo exchanges instead stage only the slabs they send and receive (:func:`host_copies`): the rest
+of a block stays on the device. Several ranks may share one GPU; :func:`device_for_rank` maps each
+rank on a node to a device.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from mpi4py import MPI
 from distdl.utilities.settings import flag
 from distdl.utilities.torch import eager_when_compiled
 
-__all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_staged", "needs_staging"]
+__all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_copies", "host_staged", "needs_staging",
+           "staging"]
 
 _log = logging.getLogger("distdl")
 _mode: bool | None = None  # True: CUDA-aware, False: staged, None: not decided yet
@@ -99,6 +102,26 @@ def needs_staging(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return not cuda_aware()
     return stage_cpu_for_tests and x.device.type == "cpu"
+
+
+def staging(x: torch.Tensor) -> bool:
+    """:func:`needs_staging` for a primitive about to stage ``x``: from the first CUDA tensor staged, the host
+    buffers the primitives allocate (``transport.empty``) come pinned."""
+    global pin_host_buffers
+    if not needs_staging(x):
+        return False
+    pin_host_buffers = pin_host_buffers or x.is_cuda
+    return True
+
+
+def host_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Return contiguous host copies of ``tensors`` (of one device; pinned where it is a GPU), the copies done:
+    the slabs a primitive that stages its own messages sends."""
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
+              for t in tensors]
+    if tensors and tensors[0].is_cuda:
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return copies
 
 
 def _pool(device: torch.device, nbytes: int) -> torch.Tensor:
@@ -171,13 +194,16 @@ def refuse_unsupported(where: str, x: object) -> None:
                                   "not supported; use torch.autograd (backward, torch.autograd.grad)")
 
 
-def host_staged(function):
+def host_staged(function=None, *, whole: bool = True):
     """Decorate a primitive ``function(x, ...)`` to run on a host copy of ``x`` when MPI cannot take it.
 
     Every primitive's entry: it also refuses forward-mode AD's dual tensors, whose tangent the primitive would
     drop (a zero derivative, silently), torch.func's transforms and torch.jit.trace, and runs eagerly under
-    torch.compile.
+    torch.compile. With ``whole=False`` it does only that: the primitive stages the slabs it moves itself
+    (:func:`staging`, :func:`host_copies`), and the rest of ``x`` stays where it is.
     """
+    if function is None:
+        return functools.partial(host_staged, whole=whole)
     name = next(iter(inspect.signature(function).parameters))  # the tensor's, also when passed by keyword
 
     @eager_when_compiled
@@ -185,11 +211,10 @@ def host_staged(function):
     def staged(*args, **kwargs):
         x = args[0] if args else kwargs.get(name)
         refuse_unsupported(function.__name__, x)
-        if not isinstance(x, torch.Tensor) or not needs_staging(x) or x.layout != torch.strided or x.is_quantized:
+        if not whole or not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_quantized or \
+                not staging(x):
             return function(*args, **kwargs)  # or refused there, with its own checks (the copy would fail first)
         # The primitive never returns an alias of its input, so the pool is free again on return.
-        global pin_host_buffers
-        pin_host_buffers = pin_host_buffers or x.is_cuda
         host = _ToHost.apply(x, True)
         args, kwargs = ((host, *args[1:]), kwargs) if args else (args, {**kwargs, name: host})
         return _ToDevice.apply(function(*args, **kwargs), x.device)

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
                                        load_anchor, save_anchor)
 from distdl.checks import announce, check_mode, verify
@@ -51,7 +51,7 @@ _CHECK_TAG = 0x4800  # the same for check mode's slab sizes (dimensions < 32 sta
 _MAX_SCRATCH = 64  # pack/unpack buffers cached per partition (per slab shape, dtype and device)
 
 
-@host_staged
+@cuda.host_staged(whole=False)  # stages the slabs that travel (_exchange)
 def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None, recv_buffer_shape: Widths | None,
                   send_buffer_shape: Widths | None) -> torch.Tensor:
     """Return a copy of ``x`` whose ghost regions are filled from the neighbours' interiors.
@@ -84,7 +84,7 @@ def halo_exchange(x: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
     return _HaloExchange.apply(in_graph(x), P_x, widths)
 
 
-@host_staged
+@cuda.host_staged(whole=False)  # stages the slabs that travel (_exchange)
 def halo_exchange_adjoint(y: torch.Tensor, P_x: MPIPartition, halo_shape: Widths | None,
                           recv_buffer_shape: Widths | None, send_buffer_shape: Widths | None) -> torch.Tensor:
     """Return the adjoint of :func:`halo_exchange` applied to ``y``: ghosts sent back and added to their owners.
@@ -182,18 +182,24 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
     """Run the forward (or adjoint) exchange in place on ``t``, a contiguous tensor this call owns."""
     halo, recv, send = widths
     error = None
+    staged = cuda.staging(t)  # where MPI cannot take t's memory, only the slabs go through (pinned) host memory
     for d in reversed(range(t.dim())) if adjoint else range(t.dim()):
         n = t.shape[d]
         ghost = ((halo[d][0] - recv[d][0], recv[d][0]), (n - halo[d][1], recv[d][1]))
         interior = ((halo[d][0], send[d][0]), (n - halo[d][1] - send[d][1], send[d][1]))
         outgoing, incoming = (ghost, interior) if adjoint else (interior, ghost)
         requests, arrivals, packs = [], [], []  # the packs too stay referenced until the sends complete
-        for side, peer in enumerate(neighbors(P_x)[d]):
-            if peer == MPI.PROC_NULL:
-                continue
-            out, into = t.narrow(d, *outgoing[side]), t.narrow(d, *incoming[side])
+        sides = [(side, peer) for side, peer in enumerate(neighbors(P_x)[d]) if peer != MPI.PROC_NULL]
+        outs = [t.narrow(d, *outgoing[side]) for side, _ in sides]
+        if staged:  # after the slabs that arrived along the previous dimension are on the device (stream order)
+            outs = cuda.host_copies(outs)
+        for (side, peer), out in zip(sides, outs):
+            into = t.narrow(d, *incoming[side])
             packed = out if out.is_contiguous() else _scratch(P_x, out, ("out", side)).copy_(out)
-            arrival = into if into.is_contiguous() and not adjoint else _scratch(P_x, into, ("in", side))
+            if staged:
+                arrival = transport.empty(into.shape, t.dtype, torch.device("cpu"))
+            else:
+                arrival = into if into.is_contiguous() and not adjoint else _scratch(P_x, into, ("in", side))
             requests.append(P_x.comm.Irecv(transport.buffer(arrival), source=peer, tag=_TAG + 2 * d + 1 - side))
             requests.append(P_x.comm.Isend(transport.buffer(packed), dest=peer, tag=_TAG + 2 * d + side))
             arrivals.append((side, peer, into, arrival))
@@ -203,12 +209,12 @@ def _exchange(where: str, t: torch.Tensor, P_x: MPIPartition, widths, adjoint: b
         except ValueError as failure:  # still exchange the other dimensions: every message must find its match
             error = error or failure
             continue
-        for side, _, into, arrival in arrivals:
+        for side, _, into, arrival in arrivals:  # a pinned arrival is kept from reuse by torch until copied
             if adjoint:
-                into.add_(arrival)
+                into.add_(arrival.to(into.device, non_blocking=True))
                 t.narrow(d, *ghost[side]).zero_()
             elif arrival is not into:
-                into.copy_(arrival)
+                into.copy_(arrival, non_blocking=True)
     if error is not None:
         raise error
 

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
                                        load_anchor, save_anchor)
 from distdl.checks import announce, verify
@@ -39,7 +39,7 @@ _TAG = 7402
 Windows = tuple[tuple[tuple[int, int], ...], ...]  # per worker of P_x (rank order), per dimension, [start, stop)
 
 
-@host_staged
+@cuda.host_staged(whole=False)  # stages the pieces that travel (_exchange)
 def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
                     windows: Windows) -> torch.Tensor:
     """Return ``x_global[window]`` of this worker's window, zero outside the global tensor.
@@ -59,7 +59,7 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
     return _Window.apply(in_graph(x), P_x, x_global_shape, windows, True)
 
 
-@host_staged
+@cuda.host_staged(whole=False)  # stages the pieces that travel (_exchange)
 def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[int, ...],
                        windows: Windows) -> torch.Tensor:
     """Return this worker's block of the sum of every worker's window ``y`` placed in the global tensor (the
@@ -213,12 +213,16 @@ def _exchange(t, P_x, shape, windows, forward):
         out = t.new_empty(tuple(b - a for a, b in windows[P_x.rank]))
     else:
         out = (t.new_empty if plan.covered else t.new_zeros)(tuple(b - a for a, b in plan.block))
+    # Where MPI cannot take t's memory, only the pieces that travel go through (pinned) host memory.
+    staged = cuda.staging(t)
     requests, received = [], []
     for piece in incoming:
-        buf = transport.empty(piece[3], t.dtype, t.device)
+        buf = transport.empty(piece[3], t.dtype, torch.device("cpu") if staged else t.device)
         received.append((piece[side], buf))
         requests.append(P_x.comm.Irecv(transport.buffer(buf), source=piece[0], tag=_TAG))
     packed = [transport.contiguous(t[piece[3 - side]]) for piece in outgoing]
+    if staged:
+        packed = cuda.host_copies(packed)
     for piece, buf in zip(outgoing, packed):
         requests.append(P_x.comm.Isend(transport.buffer(buf), dest=piece[0], tag=_TAG))
     if forward:
@@ -233,11 +237,11 @@ def _exchange(t, P_x, shape, windows, forward):
         else:
             out[block] += t[window]
     MPI.Request.Waitall(requests)
-    for slices, buf in received:
+    for slices, buf in received:  # a pinned buf is kept from reuse by torch's host allocator until copied
         if forward:
-            out[slices].copy_(buf)
+            out[slices].copy_(buf, non_blocking=True)
         else:
-            out[slices] += buf
+            out[slices] += buf.to(out.device, non_blocking=True)
     return out
 
 
