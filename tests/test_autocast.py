@@ -53,3 +53,21 @@ def test_layers_under_autocast(P_world, comm, overlap):
         for a, b in zip([mixed.float()] + mixed_grads, [exact] + exact_grads):  # order of 1% of the whole
             assert a.dtype == torch.float32  # parameters and their gradients stay in float32
             assert (a - b).norm() <= 3e-2 * scale, (a, b)
+
+
+@sizes(1, 2, 3)
+def test_pooling_under_autocast(P_world, comm):
+    """Pooling under autocast gives torch's dtypes (CPU autocast runs avg_pool3d in float32, so its output stays
+    float32 for a bfloat16 input) and values."""
+    from distdl.nn import pooling
+    for dims in (1, 2, 3):
+        P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size) + (1,) * (dims - 1))
+        x = random_tensor((2, 2, 2 * comm.size + 1) + (4,) * (dims - 1), seed=7)
+        for kind in ("Max", "Avg"):
+            name = f"{kind}Pool{dims}d"
+            layer, ref = getattr(pooling, "Distributed" + name)(P_x, 2), getattr(torch.nn, name)(2)
+            for dtype in (torch.float32, torch.bfloat16):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y, expected = layer(scatter(x.to(dtype), P_x)), scatter(ref(x.to(dtype)), P_x)
+                assert y.dtype == expected.dtype, (name, dtype, y.dtype, expected.dtype)
+                torch.testing.assert_close(y, expected, rtol=2e-2, atol=2e-2)
