@@ -113,6 +113,33 @@ def test_sum_equals_full_batch(P_world, comm, in_place):
             _assert_grads(wrapped, reference, exact=True)
 
 
+@sizes(2, 3)
+def test_post_accumulate_grad_hooks_run_before_the_sum(P_world, comm):
+    """A parameter's post-accumulate-grad hooks, registered before or after wrapping, change its local gradient before
+    DataParallel sums it (as with torch's DDP): the full batch's gradients, scaled as the hooks scale them."""
+    def scale(factor):
+        def hook(p):
+            p.grad.mul_(factor)
+        return hook
+
+    def hooked(model, wrap=None):
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(scale(2))
+        wrapped = wrap(model) if wrap else model
+        for k, p in enumerate(model.parameters()):
+            p.register_post_accumulate_grad_hook(scale(k + 3))
+        return wrapped
+    n = 7
+    x, y = _batch(n, seed=3)
+    expected = _grads(hooked(_mlp(0)), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+    for cap in (TINY_CAP, 25):
+        wrapped = hooked(_mlp(0), lambda model: DataParallel(model, P_world, bucket_cap_mb=cap, op="sum"))
+        for _ in range(2):
+            _step(wrapped, x[rows], y[rows])
+            _assert_grads(wrapped, expected)
+
+
 @sizes(2, 4)
 def test_avg_equals_full_batch_mean(P_world, comm):
     local = 3

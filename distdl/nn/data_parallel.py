@@ -259,8 +259,13 @@ class DataParallel(torch.nn.Module):
         """Hook the parameters of the buckets (the hooks hold the wrapper weakly), and with ``op="avg"`` those their
         layers sum over ``P``: each gradient arriving there is divided by ``P.size``, as a bucket's sum is."""
         me = weakref.ref(self)
-        self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_gradient_ready, me, index))
-                        for index, bucket in enumerate(self._buckets) for p in bucket.params]
+        # A hook on each gradient's accumulator, as torch's DDP: it runs after the parameter's own post-accumulate-grad
+        # hooks (which may change the gradient), whenever they were registered. The accumulators are kept alive here
+        # (a parameter holds its own weakly: autograd would make another, without the hook).
+        self._accumulators = [(index, p, torch.autograd.graph.get_gradient_edge(p).node)
+                              for index, bucket in enumerate(self._buckets) for p in bucket.params]
+        self._hooks += [node.register_hook(functools.partial(_gradient_ready, me, index, p))
+                        for index, p, node in self._accumulators]
         if self._divisor > 1:
             self._hooks += [p.register_hook(functools.partial(torch.div, other=self._divisor)) for p in self._summed]
         for p in params:
@@ -387,8 +392,9 @@ def _taken(P: MPIPartition, params: list) -> tuple[list[tuple[int, ...]], bool]:
     return taken, P.comm.allreduce(bool(taken), op=MPI.LOR)
 
 
-def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor) -> None:
-    """A parameter's hook: tell its DataParallel, while that lives, that ``p``'s gradient is ready."""
+def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor, *grads) -> None:
+    """The hook on ``p``'s gradient accumulator: tell its DataParallel, while that lives, that ``p``'s gradient is
+    ready."""
     found = wrapper()
     if found is not None:
         found._gradient_ready(p, index)
