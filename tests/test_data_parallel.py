@@ -140,6 +140,27 @@ def test_post_accumulate_grad_hooks_run_before_the_sum(P_world, comm):
             _assert_grads(wrapped, expected)
 
 
+@sizes(2, 3)
+def test_a_dtype_round_trip_after_wrapping(P_world, comm):
+    """Parameters set to another dtype and back (on every member, or on one: evaluating in float64 through
+    ``wrapper.module``) get new gradient accumulators while the layout stays as it was: DataParallel still reduces
+    their gradients (it hooked the old accumulators; it hooks the new ones at the next forward)."""
+    n = 7
+    x, y = (t.float() for t in _batch(n, seed=3))
+    expected = _grads(_mlp(0, torch.float32), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+    for who in ("every member", "rank 0"):
+        model = _mlp(0, torch.float32)
+        wrapped = DataParallel(model, P_world, op="sum")
+        for step in range(3):
+            if who == "every member" or comm.rank == 0:
+                model.double()
+                model.float()
+            _step(wrapped, x[rows], y[rows])
+            for p, g in zip(model.parameters(), expected):
+                torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
+
+
 @sizes(2, 4)
 def test_avg_equals_full_batch_mean(P_world, comm):
     local = 3
@@ -644,6 +665,46 @@ def test_parameter_without_gradient(P_world, comm):
             torch.testing.assert_close(inner.weight.grad, expected_weight)
             torch.testing.assert_close(inner.extra.grad, expected_extra)
             assert inner.unused.grad is None  # no worker had one
+
+
+class _MaybeGrad(torch.autograd.Function):
+    """``x * w``, whose backward gives ``w`` a gradient only where asked (None otherwise; w's accumulator still runs)."""
+
+    @staticmethod
+    def forward(ctx, x, w, want):
+        ctx.save_for_backward(x, w)
+        ctx.want = want
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, grad * x if ctx.want else None, None
+
+
+class _Weighted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(random_tensor((3,), seed=1))
+
+    def forward(self, x, want):
+        return _MaybeGrad.apply(x, self.w, want).sum()
+
+
+@sizes(2, 3)
+def test_a_gradient_left_none_after_a_step_with_one(P_world, comm):
+    """With op="sum", a step where no member's backward gives a parameter a gradient, after a step where they did
+    (zeroed to None between), leaves it None on every member (it raised an AttributeError)."""
+    model = _Weighted()
+    wrapped = DataParallel(model, P_world, op="sum")
+    x = random_tensor((3,), seed=40 + comm.rank)
+    for want in (True, False, True):
+        model.zero_grad(set_to_none=True)
+        wrapped(x, want).backward()
+        if want:
+            torch.testing.assert_close(model.w.grad, sum(random_tensor((3,), seed=40 + r) for r in range(comm.size)))
+        else:
+            assert model.w.grad is None
 
 
 @sizes(3)
