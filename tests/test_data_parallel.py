@@ -144,14 +144,19 @@ def test_post_accumulate_grad_hooks_run_before_the_sum(P_world, comm):
 def test_a_dtype_round_trip_after_wrapping(P_world, comm):
     """Parameters set to another dtype and back (on every member, or on one: evaluating in float64 through
     ``wrapper.module``) get new gradient accumulators while the layout stays as it was: DataParallel still reduces
-    their gradients (it hooked the old accumulators; it hooks the new ones at the next forward)."""
+    their gradients, after the parameters' post-accumulate-grad hooks registered after wrapping (it hooked the old
+    accumulators; it moves to the new ones as they run)."""
+    def double(p):
+        p.grad.mul_(2)
     n = 7
     x, y = (t.float() for t in _batch(n, seed=3))
-    expected = _grads(_mlp(0, torch.float32), x, y)
+    expected = [2 * g for g in _grads(_mlp(0, torch.float32), x, y)]
     rows = _rows(n, comm.size, comm.rank)
     for who in ("every member", "rank 0"):
         model = _mlp(0, torch.float32)
         wrapped = DataParallel(model, P_world, op="sum")
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(double)
         for step in range(3):
             if who == "every member" or comm.rank == 0:
                 model.double()

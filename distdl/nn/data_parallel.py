@@ -262,14 +262,14 @@ class DataParallel(torch.nn.Module):
         # A hook on each gradient's accumulator, as torch's DDP: it runs after the parameter's own post-accumulate-grad
         # hooks (which may change the gradient), whenever they were registered. The accumulators are kept alive here
         # (a parameter holds its own weakly: autograd would make another, without the hook). Beside it, a hook on the
-        # parameter for where autograd gives it another accumulator all the same (see _elsewhere).
+        # parameter for where autograd gives it another accumulator all the same (see _elsewhere). The accumulators'
+        # hooks come first in self._hooks, in the order of self._accumulators.
         self._accumulators = [(index, p, torch.autograd.graph.get_gradient_edge(p).node)
                               for index, bucket in enumerate(self._buckets) for p in bucket.params]
         self._hooks += [node.register_hook(functools.partial(_gradient_ready, me, index, p))
                         for index, p, node in self._accumulators]
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(_elsewhere, me, k))
                         for k, (_, p, _) in enumerate(self._accumulators)]
-        self._stale = False
         if self._divisor > 1:
             self._hooks += [p.register_hook(functools.partial(torch.div, other=self._divisor)) for p in self._summed]
         for p in params:
@@ -281,7 +281,7 @@ class DataParallel(torch.nn.Module):
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
             verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._changed[0] = _layout(self.module, params) != self._layout or _gone(self._holders) or self._stale
+            self._changed[0] = _layout(self.module, params) != self._layout or _gone(self._holders)
             self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
             if self._changed[0]:
                 self._replan(params)
@@ -407,11 +407,17 @@ def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor, *grads) -
 def _elsewhere(wrapper: weakref.ref, k: int, p: torch.Tensor) -> None:
     """A parameter's post-accumulate-grad hook: where its gradient accumulated in another accumulator than the one
     hooked (setting ``p.data`` to another dtype or device drops a parameter's accumulator: ``.half()`` then
-    ``.float()`` leave the layout as it was), tell the wrapper here instead, and to hook again at its next forward."""
+    ``.float()`` leave the layout as it was), move the hook to that one, which runs it after the parameter's other
+    hooks, this time already."""
     found = wrapper()
-    if found is not None and torch._C._current_autograd_node() is not found._accumulators[k][2]:
-        found._stale = True
-        found._gradient_ready(p, found._accumulators[k][0])
+    if found is None:
+        return
+    index, _, hooked = found._accumulators[k]
+    node = torch._C._current_autograd_node()  # the accumulator running this hook
+    if node is not hooked and node is not None:
+        found._hooks[k].remove()
+        found._hooks[k] = node.register_hook(functools.partial(_gradient_ready, wrapper, index, p))
+        found._accumulators[k] = (index, p, node)
 
 
 def _layout(module: torch.nn.Module, params: list) -> tuple:
