@@ -217,7 +217,7 @@ def _exchange(t, P_x, shape, windows, forward):
     staged = cuda.staging(t)
     requests, received = [], []
     for piece in incoming:
-        buf = transport.empty(piece[3], t.dtype, torch.device("cpu") if staged else t.device)
+        buf = transport.empty(piece[3], t.dtype, cuda.buffer_device(t.device))
         received.append((piece[side], buf))
         requests.append(P_x.comm.Irecv(transport.buffer(buf), source=piece[0], tag=_TAG))
     packed = [transport.contiguous(t[piece[3 - side]]) for piece in outgoing]
