@@ -170,6 +170,24 @@ def test_inactive_workers_and_float32(P_world, comm):
             loss(torch.zeros(0), torch.zeros(0, dtype=torch.long)).sum().backward()
 
 
+@sizes(2, 3)
+def test_workers_outside_get_the_members_dtype(P_world, comm):
+    """The loss has torch's dtype on every worker, outside P_x too: promoted, real for a complex input, float32
+    for bfloat16 under autocast (they returned their placeholder's dtype)."""
+    P_x = P_world.create_partition_inclusive(range(1, comm.size)).create_cartesian_topology_partition((comm.size - 1,))
+    x, t = random_tensor((5,), seed=comm.rank), random_tensor((5,), seed=comm.rank + 7)  # float64
+    cases = [(losses.DistributedMSELoss, F.mse_loss, x.float(), t, False),
+             (losses.DistributedL1Loss, F.l1_loss, torch.complex(x, t), torch.complex(t, x), False),
+             (losses.DistributedMSELoss, F.mse_loss, x.bfloat16(), t.bfloat16(), True),
+             (losses.DistributedBCEWithLogitsLoss, F.binary_cross_entropy_with_logits, x.bfloat16(),
+              t.sigmoid().bfloat16(), True)]
+    for layer, function, input, target, autocast in cases:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            expected = function(input, target).dtype
+            loss = layer(P_x)(scatter(input, P_x), scatter(target, P_x))
+        assert loss.dtype == expected, f"rank {comm.rank}: {layer.__name__} gave {loss.dtype}, torch {expected}"
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1))

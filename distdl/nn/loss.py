@@ -12,7 +12,8 @@ that form no global tensor (their extents travel in the sum too: :mod:`distdl.nn
 worker                        does
 ============================  ========================================================================
 in P_x                        contributes its local sums; gets the global loss (0-dim)
-outside P_x                   passes zero-volume input and target; gets a 0-dim zero it can backward()
+outside P_x                   passes zero-volume input and target; gets a 0-dim zero (of the members' dtype)
+                              it can backward()
                               (``none``: a zero-volume tensor)
 ============================  ========================================================================
 """
@@ -32,6 +33,19 @@ from distdl.partition import MPIPartition
 
 __all__ = ["DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss", "DistributedBCEWithLogitsLoss",
            "DistributedKLDivLoss", "DistributedPoissonNLLLoss", "DistributedCrossEntropyLoss"]
+
+
+def _loss_dtype(input: torch.Tensor, target: torch.Tensor) -> torch.dtype:
+    """Return the dtype of the loss that the members compute from blocks of ``input``'s and ``target``'s dtypes: the
+    promoted real floating dtype (a complex input's real one; an integer or bool placeholder's: the default), and
+    float32 for lower precision under autocast (torch's losses run in float32 there): a worker outside P_x returns
+    a loss of the members' dtype."""
+    dtype = input.real.dtype if input.is_floating_point() or input.is_complex() else torch.get_default_dtype()
+    if target.is_floating_point():  # class indices do not take part
+        dtype = torch.promote_types(dtype, target.dtype)
+    if dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(input.device.type):
+        dtype = torch.float32
+    return dtype
 
 
 class _DistributedLoss(torch.nn.Module):
@@ -68,8 +82,7 @@ class _DistributedLoss(torch.nn.Module):
             if self.reduction == "none":
                 return idle_output(input)  # backward runs here too
             loss = idle_output(input).sum()  # 0, and backward() works everywhere
-            if not (loss.is_floating_point() or loss.is_complex()):  # an integer or bool placeholder
-                loss = loss.to(torch.get_default_dtype())
+            loss = (loss.real if loss.is_complex() else loss).to(_loss_dtype(input, target))
             return loss if loss.requires_grad or not torch.is_grad_enabled() else loss.requires_grad_()
         if self.reduction == "none":  # no sum: a block that fails raises here alone
             self._check_block(name, input, target)
