@@ -7,6 +7,7 @@ and with it at 0 (every gradient is reduced on its own, in place where its layou
 
 import builtins
 import collections
+import contextlib
 import gc
 import weakref
 
@@ -1010,6 +1011,15 @@ def test_sum_of_an_accumulated_gradient_raises(P_world, comm):
     wrapped.zero_grad(set_to_none=False)
     ((wrapped(x) - y) ** 2).sum().backward()
     expected = _grads(_mlp(6), *(torch.cat(t) for t in zip(*(_batch(2, 60 + r) for r in range(comm.size)))))
+    _assert_grads(wrapped, expected)
+    with wrapped.no_sync():  # a first micro-batch onto the reduced gradients raises too (it went unchecked)
+        loss = ((wrapped(x) - y) ** 2).sum()
+        with pytest.raises(RuntimeError, match="accumulated onto the last reduced") if comm.size > 1 else \
+                contextlib.nullcontext():
+            loss.backward()
+    for p in wrapped.parameters():  # zeroed through .data, unseen by the version counter: no error (there was one)
+        p.grad.data.zero_()
+    ((wrapped(x) - y) ** 2).sum().backward()
     _assert_grads(wrapped, expected)
     del wrapped
     averaged = DataParallel(_mlp(6), P_world)

@@ -132,7 +132,8 @@ def _accumulated(where: str, op: str, params: list, written: dict) -> str | None
             return (f"{where}: expected the gradients zeroed between calls, got the gradient of a parameter of shape "
                     f"{tuple(p.shape)} accumulated onto its last reduced value by a backward; reduced again, that "
                     f"value would be {again}. Call it once per step, after the last backward (accumulate the "
-                    "micro-batches first), or zero the gradients")
+                    "micro-batches first), or zero the gradients (with zero_grad(): a write through .data is not "
+                    "seen)")
     return None
 
 
@@ -353,15 +354,20 @@ class DataParallel(torch.nn.Module):
             self._written = {id(p): (weakref.ref(p.grad), p.grad._version)
                              for b in self._buckets for p in b.params if p.grad is not None}
 
-    def _gradient_ready(self, p: torch.Tensor, index: int) -> None:
+    def _gradient_ready(self, p: torch.Tensor, index: int, incoming: torch.Tensor | None) -> None:
+        # op="sum": the first backward after a reduction, in no_sync() too, must not accumulate onto the sum. Its
+        # gradient was written once since (zero_() writes once more); if only through .data (unseen by the version
+        # counter: p.grad.data.zero_()), the gradient is the incoming one alone.
+        written = self._written.pop(id(p), None) if self._written else None
+        if (written is not None and p.grad is not None and written[0]() is p.grad
+                and p.grad._version == written[1] + 1 and not _alone(p.grad, incoming)):
+            raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
+                               "backward that accumulated onto the last reduced gradient (it would be summed "
+                               "again: P.size times too large); zero them before each step's first backward "
+                               "(micro-batches in no_sync() accumulate after that)")
         if not self._sync:
             return
         _check_dense("DataParallel", p)
-        written = self._written.pop(id(p), None)
-        if written is not None and p.grad is not None and written[0]() is p.grad and p.grad._version == written[1] + 1:
-            raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
-                               "backward that accumulated onto the last reduced gradient (it would be summed "
-                               "again: P.size times too large); zero them, or accumulate in no_sync()")
         if not self._in_flight:
             task = torch._C._current_graph_task_id()  # graph tasks are numbered as they begin
             if task < self._task:  # the last round ended with a backward nested in this one
@@ -396,12 +402,18 @@ def _taken(P: MPIPartition, params: list) -> tuple[list[tuple[int, ...]], bool]:
     return taken, P.comm.allreduce(bool(taken), op=MPI.LOR)
 
 
+def _alone(grad: torch.Tensor, incoming: torch.Tensor | None) -> bool:
+    """Whether ``grad`` holds only the ``incoming`` gradient just accumulated into it (what it held was zero)."""
+    return incoming is not None and incoming.layout == grad.layout == torch.strided and torch.equal(grad, incoming)
+
+
 def _gradient_ready(wrapper: weakref.ref, index: int, p: torch.Tensor, *grads) -> None:
     """The hook on ``p``'s gradient accumulator: tell its DataParallel, while that lives, that ``p``'s gradient is
     ready."""
     found = wrapper()
     if found is not None:
-        found._gradient_ready(p, index)
+        incoming = grads[1][0] if len(grads) == 2 and grads[1] else None  # the gradient accumulated
+        found._gradient_ready(p, index, incoming)
 
 
 def _elsewhere(wrapper: weakref.ref, k: int, p: torch.Tensor) -> None:
