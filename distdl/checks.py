@@ -196,8 +196,8 @@ def announce(where: str, P: Callable[[], MPIPartition | MPI.Intracomm | None], e
     A member that raised before communicating would otherwise skip the check: its peers' call would pair
     with its next one. ``P()`` returns the partition the call checks on (None, or raising, where it cannot be
     known: then nothing is done). Every member raises: CollectiveMismatchError where the others' calls
-    passed their checks, nothing here where all failed alike (the caller then raises ``error``). Data passed
-    on a worker outside the call's input partition is not announced: such a worker may be the only one calling.
+    passed their checks, nothing here where all failed alike (the caller then raises ``error``). A worker outside
+    that partition (one passing data outside ``P_x`` and taking no other part in the call) does nothing here.
     """
     if not _enabled:
         return

@@ -164,6 +164,27 @@ def test_a_call_that_fails_its_checks_on_one_worker(P_world, comm):
 
 
 @sizes(2, 3)
+def test_a_worker_of_a_broadcast_group_that_fails_its_checks(P_world, comm):
+    """Worker 1, a receiver of worker 0's broadcast or repartition, passes data outside P_x or a sparse tensor, or,
+    a source of a sum_reduce, a sparse tensor: in check mode every worker raises (worker 1 raised alone, before the
+    check, and the others waited for it)."""
+    F = distdl.functional
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1,))
+    whole = torch.rand(3 * comm.size)
+    calls = {"broadcast": (lambda t: F.broadcast(t, P_0, P), whole if comm.rank == 0 else torch.zeros(0)),
+             "repartition": (lambda t: F.repartition(t, P_0, P), whole if comm.rank == 0 else torch.zeros(0)),
+             "sum_reduce": (lambda t: F.sum_reduce(t, P, P_0), whole + comm.rank)}
+    for name, (call, good) in calls.items():
+        for bad in ([good.to_sparse()] if name == "sum_reduce" else [torch.ones(3), torch.zeros(0).to_sparse()]):
+            with checking():
+                with pytest.raises(CollectiveMismatchError, match=rf"{name}: ranks disagree on failed with: "):
+                    call(bad if comm.rank == 1 else good)
+                y = call(good)
+            assert torch.equal(y, call(good)), name
+
+
+@sizes(2, 3)
 def test_several_disagreements_and_custom_facts(P_world, comm):
     facts = {"axes": (comm.rank % 2,), "halo": [1, 1]}
     x = torch.zeros(comm.rank + 1, dtype=torch.float64)

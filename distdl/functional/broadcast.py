@@ -66,10 +66,10 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
         TypeError: wrong argument types, or a dtype that cannot be sent.
     """
     where = "broadcast"
-    check_tensor(where, x)
     plan = groups(where, P_x, P_y, transpose_src, transpose_dest, preserve_batch)
-    check_idle_input(where, P_x, x)  # (a worker outside P_x need not be part of the check: see announce)
-    try:
+    try:  # in check mode a worker failing here still takes part in the check (a receiver its group waits for)
+        check_tensor(where, x)
+        check_idle_input(where, P_x, x)
         header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
     except (TypeError, ValueError) as error:
         announce(where, lambda: union(P_x, P_y) or P_x, error)

@@ -68,10 +68,10 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
         TypeError: non-tensor input, non-partition arguments or an unsupported dtype.
     """
     where = "repartition"
-    check_tensor(where, x)
     pair = _pair(where, P_x, P_y, preserve_batch)
-    check_idle_input(where, P_x, x)  # (a worker outside P_x need not be part of the check: see announce)
-    try:
+    try:  # in check mode a worker failing here still takes part in the check (a receiver its peers wait for)
+        check_tensor(where, x)
+        check_idle_input(where, P_x, x)
         check_dim(where, P_x, x)
         if P_x.active:
             header_of(where, x)  # rejects dtypes that cannot be described to receivers

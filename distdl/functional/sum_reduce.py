@@ -65,10 +65,10 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
         TypeError: wrong argument types, or a dtype that cannot be summed (bool).
     """
     where = "sum_reduce"
-    check_tensor(where, x)
     plan = groups(where, P_y, P_x, transpose_dest, transpose_src, preserve_batch, names=("P_y", "P_x"))
-    check_idle_input(where, P_x, x)  # (a worker outside P_x need not be part of the check: see announce)
-    try:
+    try:  # in check mode a worker failing here still takes part in the check (a receiver its group waits for)
+        check_tensor(where, x)
+        check_idle_input(where, P_x, x)
         header_of(where, x)  # rejects dtypes and shapes that cannot be described to receivers
         transport.reduction_dtype(where, x.dtype)
     except (TypeError, ValueError) as error:
