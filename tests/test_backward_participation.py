@@ -186,6 +186,17 @@ def test_torch_func_transforms_are_refused(P_world, comm):
                 transform()
 
 
+@sizes(2, 3)
+def test_batched_gradients_are_refused(P_world, comm):
+    """is_grads_batched=True (and jacobian(vectorize=True)) runs backward under vmap: every primitive's backward
+    names it, on every worker (torch's "Cannot access data pointer" came out of MPI's buffer code)."""
+    for name, op in _primitives(P_world, comm.size).items():
+        x = random_tensor((2 * comm.size, 3), seed=comm.rank).requires_grad_()
+        y = op(x)
+        with pytest.raises(NotImplementedError, match=r"\(backward\): batched gradients \(is_grads_batched=True"):
+            torch.autograd.grad(y, x, torch.ones(2, *y.shape), is_grads_batched=True)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.trace is deprecated
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @sizes(2)

@@ -118,8 +118,14 @@ def save_anchor(ctx) -> None:
         ctx.anchored = True
 
 
-def load_anchor(ctx) -> None:
-    """First thing in a collective's backward: unpack the anchor, if saved (see above)."""
+def begin_backward(ctx, grad: torch.Tensor) -> None:
+    """First thing in a collective's backward: refuse a batched ``grad``, then unpack the anchor, if saved (see
+    above)."""
+    if torch._C._functorch.is_legacy_batchedtensor(grad):  # a wrapper without memory
+        name = type(ctx).__name__.strip("_").removesuffix("Backward")
+        raise NotImplementedError(f"{name} (backward): batched gradients (is_grads_batched=True, jacobian or hessian "
+                                  "with vectorize=True) run backward under torch.func.vmap, which is not supported; "
+                                  "compute one gradient at a time")
     if getattr(ctx, "anchored", False):
         ctx.saved_tensors
 

@@ -34,7 +34,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       header_of, in_graph, load_anchor, save_anchor)
+                                       header_of, in_graph, begin_backward, save_anchor)
 from distdl.functional._messages import (HEADER_BYTES, carries_payload, copy_payloads, decode, encode_message,
                                          message_length, payloads, remembered)
 from distdl.functional.all_sum_reduce import FibrePlan, checked_fibre, fibre_plan
@@ -261,7 +261,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         from distdl.functional.reduce_scatter import reduce_scatter, scatter_adjoint
         P_x, fibre, plan = ctx.call
         if torch.is_grad_enabled():  # double backward: record the adjoint too

@@ -19,7 +19,7 @@ import torch
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (check_idle_input, check_partition, check_tensor, in_graph, load_anchor,
+from distdl.functional._common import (check_idle_input, check_partition, check_tensor, in_graph, begin_backward,
                                        resolve_axes_cached, save_anchor)
 from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
@@ -154,7 +154,7 @@ class _AllSumReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         # Self-adjoint; autograd gives grad_y y's dtype, so the forward's plan holds (in a double
         # backward, _run records the adjoint too).
         return _run(grad_y, ctx.plan, "all_sum_reduce (backward)"), None

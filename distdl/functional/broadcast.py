@@ -33,7 +33,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, grad_like,
-                                       header_of, in_graph, load_anchor, receiving_in_graph, save_anchor,
+                                       header_of, in_graph, begin_backward, receiving_in_graph, save_anchor,
                                        zero_volume_like)
 from distdl.functional._messages import (decode, empty_message, encode_message, inline, inline_payload)
 from distdl.functional.repartition import union
@@ -224,7 +224,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         from distdl.functional.sum_reduce import _sum_reduce, sum_reduce  # the adjoints refer to each other
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too

@@ -37,7 +37,7 @@ from mpi4py import MPI
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
-                                       load_anchor, save_anchor)
+                                       begin_backward, save_anchor)
 from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
@@ -157,7 +157,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         return halo_exchange_adjoint(grad_y, ctx.P_x, *ctx.widths), None, None
 
 
@@ -174,7 +174,7 @@ class _HaloExchangeAdjoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_x)
         return halo_exchange(grad_x, ctx.P_x, *ctx.widths), None, None
 
 

@@ -35,7 +35,7 @@ import torch
 from distdl.backends.cuda import host_staged, refuse_unsupported
 from distdl.checks import announce
 from distdl.functional.all_sum_reduce import _run, checked_fibre, fibre_plan, validate
-from distdl.functional._common import in_graph, load_anchor, save_anchor
+from distdl.functional._common import in_graph, begin_backward, save_anchor
 from distdl.partition import MPIPartition
 from distdl.utilities.torch import eager_when_compiled
 
@@ -95,6 +95,6 @@ class _Pair(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         where = ctx.where if ctx.where.endswith(" (backward)") else f"{ctx.where} (backward)"
         return _pair(grad_y, ctx.P_x, ctx.axes, not ctx.reduce_in_forward, where), None, None, None, None, None

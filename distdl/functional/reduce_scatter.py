@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import in_graph, load_anchor, save_anchor
+from distdl.functional._common import in_graph, begin_backward, save_anchor
 from distdl.functional._messages import carries_payload, sum_payloads
 from distdl.functional.all_gather import Layout, agreed, all_gather, exchange, gather_adjoint, layout, member_plan
 from distdl.checks import verify
@@ -131,7 +131,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         P_x, fibre, plan = ctx.call
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             return all_gather(grad_y, P_x, axes_all_gather=fibre.axes), None

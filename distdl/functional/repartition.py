@@ -34,7 +34,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_dim, check_flags, check_idle_input, check_partition,
-                                       check_tensor, decode_header, grad_like, header_of, load_anchor,
+                                       check_tensor, decode_header, grad_like, header_of, begin_backward,
                                        receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
                                          message_length, payloads)
@@ -152,7 +152,7 @@ class _Repartition(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         pair = ctx.pair
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, pair.preserve_batch)

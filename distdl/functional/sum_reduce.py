@@ -32,7 +32,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like, header_of, in_graph,
-                                       load_anchor, receiving_in_graph, save_anchor, zero_volume_like)
+                                       begin_backward, receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
                                          remembered, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
@@ -191,7 +191,7 @@ class _SumReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        load_anchor(ctx)
+        begin_backward(ctx, grad_y)
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             grad_x = broadcast(grad_y, ctx.P_y, ctx.P_dest, transpose_src=plan.transpose_src,

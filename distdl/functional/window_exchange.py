@@ -27,7 +27,7 @@ from mpi4py import MPI
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
-                                       load_anchor, save_anchor)
+                                       begin_backward, save_anchor)
 from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
@@ -258,7 +258,7 @@ class _Window(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        load_anchor(ctx)
+        begin_backward(ctx, grad)
         adjoint = window_scatter_add if ctx.forward_direction else window_exchange
         return adjoint(grad, *ctx.args), None, None, None, None
 
