@@ -158,5 +158,10 @@ def test_check_mode_names_indices_that_differ_along_the_last_axis(P_world, comm)
               r"ranks? 0(, 2)? ha(s|ve) nothing; rank 1 has ValueError")
     with checking(), pytest.raises(CollectiveMismatchError, match=failed):
         layer(torch.tensor([1, 2, 3 if comm.rank != 1 else 10]))
+    # indices that are not a tensor: the same (the others waited for it)
+    with checking(), pytest.raises(CollectiveMismatchError, match=failed.replace("ValueError", "TypeError")):
+        layer([1, 2, 3] if comm.rank == 1 else torch.tensor([1, 2, 3]))
     with checking():
         assert layer(torch.tensor([1, 2, 3])).shape[0] == 3
+        # equal indices of the two allowed dtypes agree (their checksum differed)
+        assert layer(torch.tensor([1, 2, 3], dtype=torch.int32 if comm.rank == 1 else torch.int64)).shape[0] == 3

@@ -187,3 +187,5 @@ def test_check_mode_names_workers_with_other_rows(P_world, comm):
               r"ranks? 0(, 2)? ha(s|ve) nothing; rank 1 has ValueError")
     with checking(), pytest.raises(CollectiveMismatchError, match=failed):
         layer(wrong)
+    with checking(), pytest.raises(CollectiveMismatchError, match=failed.replace("ValueError", "TypeError")):
+        layer(x.tolist() if comm.rank == 1 else x)  # not a tensor: the same (the others waited for it)

@@ -188,6 +188,21 @@ def test_workers_outside_get_the_members_dtype(P_world, comm):
         assert loss.dtype == expected, f"rank {comm.rank}: {layer.__name__} gave {loss.dtype}, torch {expected}"
 
 
+@sizes(2, 3)
+def test_check_mode_an_input_that_is_not_a_dense_tensor_on_one_worker(P_world, comm):
+    """A sparse input or a list on worker 1: in check mode every member raises (the others waited in the sum)."""
+    from distdl.checks import CollectiveMismatchError, checking
+    P_x = P_world.create_cartesian_topology_partition((comm.size,))
+    x, t = random_tensor((3,), seed=comm.rank), random_tensor((3,), seed=comm.rank + 5)
+    for bad in (x.to_sparse(), x.tolist()):
+        with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedMSELoss: ranks disagree on failed "
+                                                                      r"with: ranks? 0(, 2)? ha(s|ve) nothing; rank 1 "
+                                                                      r"has TypeError"):
+            losses.DistributedMSELoss(P_x)(bad if comm.rank == 1 else x, t)
+    with checking():
+        assert losses.DistributedMSELoss(P_x)(x, t).shape == ()
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1))

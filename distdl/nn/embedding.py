@@ -97,12 +97,12 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         """Return this worker's block of the embeddings of ``x`` (zero-volume outside ``P_x``)."""
         name = "DistributedEmbedding"
         self._verify_replicas(name)
-        check_tensor(name, x)
-        check_idle_input(name, self.P_x, x)
-        if not self.P_x.active:
-            return self.weight.flatten().clone()  # zero-volume, attached to the (zero-volume) table
         sharing = lambda: fibre(self.P_x, (self.P_x.dim - 1,))  # noqa: E731  (the workers holding these indices)
         try:
+            check_tensor(name, x)
+            check_idle_input(name, self.P_x, x)
+            if not self.P_x.active:
+                return self.weight.flatten().clone()  # zero-volume, attached to the (zero-volume) table
             if x.dim() != self.P_x.dim - 1:
                 raise ValueError(f"{name}: expected indices of {self.P_x.dim - 1} dimensions for P_x of shape "
                                  f"{self.P_x.shape}, got shape {tuple(x.shape)} on worker {self.P_x._root.rank}")
@@ -116,7 +116,7 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
             raise
         if check_mode():  # the copies of the indices along the last axis must be equal (no collective reads them)
             verify(name, sharing(), agree={"the indices' shape": tuple(x.shape),
-                                           "the indices (checksum)": checksum([x])})
+                                           "the indices (checksum)": checksum([x.long()])})  # int32 or int64
         table = replicated(self.weight, self.P_x, self.axes_replicated)
         return torch.nn.functional.embedding(x, table, self.padding_idx)
 

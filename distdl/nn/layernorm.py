@@ -96,21 +96,21 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         """Return the normalised block of ``x``; zero-volume outside ``P_x``."""
         name = type(self).__name__
         self._verify_replicas(name)
-        check_tensor(name, x)
-        check_idle_input(name, self.P_x, x)
-        if not self.P_x.active:
-            return idle_output(x)  # backward runs here too
         k = len(self.normalized_shape)
         try:
-            if x.dim() != self.P_x.dim or tuple(x.shape[-k:]) != self.local_shape:
+            check_tensor(name, x)
+            check_idle_input(name, self.P_x, x)
+            if self.P_x.active and (x.dim() != self.P_x.dim or tuple(x.shape[-k:]) != self.local_shape):
                 raise ValueError(f"{name}: expected a tensor of {self.P_x.dim} dimensions ending in this worker's "
                                  f"block {self.local_shape} of normalized_shape {self.normalized_shape} over P_x of "
                                  f"shape {self.P_x.shape}, got shape {tuple(x.shape)} on worker {self.P_x._root.rank}")
-            if not x.is_floating_point():
+            if self.P_x.active and not x.is_floating_point():
                 raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
         except (TypeError, ValueError) as error:
             announce(name, lambda: fibre(self.P_x, self.axes), error)  # check mode: the workers normalising
             raise  # these rows with this one raise too
+        if not self.P_x.active:
+            return idle_output(x)  # backward runs here too
         dims = tuple(range(x.dim() - k, x.dim()))
         if check_mode():  # the workers normalising one row together must hold the same rows (else their moments'
             # sums pair up other rows, or differ in length)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distdl.checks import verify
+from distdl.checks import announce, verify
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, idle_output, in_graph
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_forward
@@ -75,9 +75,13 @@ class _DistributedLoss(torch.nn.Module):
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Return the global loss (0-dim on every worker), or the local elementwise block for ``none``."""
         name = type(self).__name__
-        for tensor in (input, target):
-            check_tensor(name, tensor)
-            check_idle_input(name, self.P_x, tensor)
+        try:
+            for tensor in (input, target):
+                check_tensor(name, tensor)
+                check_idle_input(name, self.P_x, tensor)
+        except (TypeError, ValueError) as error:
+            announce(name, lambda: self.P_x, error)  # check mode: the members raise too
+            raise
         if not self.P_x.active:
             if self.reduction == "none":
                 return idle_output(input)  # backward runs here too
