@@ -44,3 +44,33 @@ def test_layers_on_a_freed_partition_raise_on_every_worker(P_world, comm):
         for x in (block, zero_volume_tensor(block.shape[0], dtype=block.dtype)):
             with pytest.raises(ValueError, match=rf"^{name} \(P_x\): the partition of shape .* was freed"):
                 layer(x)
+
+
+@sizes(2, 3)
+def test_a_partition_freed_between_forward_and_backward(P_world, comm):
+    """Freed after the forward, a partition fails its backward with the same ValueError on every worker (MPI's null
+    communicator error came out on some; a broadcast's receivers raised about a gradient's shape and its source
+    returned). DataParallel, which reduces on a communicator of its own, refuses a freed partition too."""
+    import distdl.functional as F
+    from distdl.nn import DataParallel
+    grid = lambda: P_world.create_cartesian_topology_partition((comm.size,))  # noqa: E731
+    root = lambda: P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1,))  # noqa: E731
+    x = torch.rand(3 * comm.size, requires_grad=True)
+    calls = {"AllSumReduce": (grid, lambda P: F.all_sum_reduce(x, P, axes_reduce=(0,))),
+             "AllGather": (grid, lambda P: F.all_gather(x, P, axes_all_gather=(0,))),
+             "ReduceScatter": (grid, lambda P: F.reduce_scatter(x, P, axes_reduce_scatter=(0,))),
+             "Broadcast": (root, lambda P: F.broadcast(x if P.active else x[:0], P, P_world)),
+             "SumReduce": (root, lambda P: F.sum_reduce(x, P_world, P)),
+             "Repartition": (root, lambda P: F.repartition(x if P.active else x[:0], P, P_world))}
+    for name, (partition, call) in calls.items():
+        P = partition()
+        y = call(P)
+        P.free()
+        with pytest.raises(ValueError, match=rf"^{name} \(backward\): the partition of shape .* was freed"):
+            y.sum().backward()
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    wrapped = DataParallel(torch.nn.Linear(3, 2), P)
+    wrapped(torch.rand(2, 3)).sum().backward()
+    P.free()
+    with pytest.raises(ValueError, match=r"^DataParallel: the partition of shape .* was freed"):
+        wrapped(torch.rand(2, 3))

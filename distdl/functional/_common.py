@@ -118,16 +118,23 @@ def save_anchor(ctx) -> None:
         ctx.anchored = True
 
 
-def begin_backward(ctx, grad: torch.Tensor) -> None:
-    """First thing in a collective's backward: refuse a batched ``grad``, then unpack the anchor, if saved (see
-    above)."""
+def begin_backward(ctx, grad: torch.Tensor, *partitions: MPIPartition | None) -> None:
+    """First thing in a collective's backward: refuse a batched ``grad`` and ``partitions`` freed since the forward
+    (ValueError on every worker that freed them: to its members a freed communicator looks like an inactive one), then
+    unpack the anchor, if saved (see above)."""
     if torch._C._functorch.is_legacy_batchedtensor(grad):  # a wrapper without memory
-        name = type(ctx).__name__.strip("_").removesuffix("Backward")
-        raise NotImplementedError(f"{name} (backward): batched gradients (is_grads_batched=True, jacobian or hessian "
-                                  "with vectorize=True) run backward under torch.func.vmap, which is not supported; "
-                                  "compute one gradient at a time")
+        raise NotImplementedError(f"{_backward_name(ctx)}: batched gradients (is_grads_batched=True, jacobian or "
+                                  "hessian with vectorize=True) run backward under torch.func.vmap, which is not "
+                                  "supported; compute one gradient at a time")
+    for P in partitions:
+        if P is not None and P._freed:
+            P._check_live(_backward_name(ctx))
     if getattr(ctx, "anchored", False):
         ctx.saved_tensors
+
+
+def _backward_name(ctx) -> str:
+    return type(ctx).__name__.strip("_").removesuffix("Backward") + " (backward)"
 
 
 def grad_like(grad: torch.Tensor, x_shape: torch.Size, x_dtype: torch.dtype) -> torch.Tensor:

@@ -261,7 +261,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.call[0])
         from distdl.functional.reduce_scatter import reduce_scatter, scatter_adjoint
         P_x, fibre, plan = ctx.call
         if torch.is_grad_enabled():  # double backward: record the adjoint too

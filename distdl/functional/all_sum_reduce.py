@@ -154,7 +154,7 @@ class _AllSumReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.plan.P_fibre)
         # Self-adjoint; autograd gives grad_y y's dtype, so the forward's plan holds (in a double
         # backward, _run records the adjoint too).
         return _run(grad_y, ctx.plan, "all_sum_reduce (backward)"), None

@@ -224,7 +224,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.P_x, ctx.P_dest)
         from distdl.functional.sum_reduce import _sum_reduce, sum_reduce  # the adjoints refer to each other
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too

@@ -157,7 +157,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.P_x)
         return halo_exchange_adjoint(grad_y, ctx.P_x, *ctx.widths), None, None
 
 
@@ -174,7 +174,7 @@ class _HaloExchangeAdjoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x):
-        begin_backward(ctx, grad_x)
+        begin_backward(ctx, grad_x, ctx.P_x)
         return halo_exchange(grad_x, ctx.P_x, *ctx.widths), None, None
 
 

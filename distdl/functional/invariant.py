@@ -95,6 +95,6 @@ class _Pair(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.P_x)
         where = ctx.where if ctx.where.endswith(" (backward)") else f"{ctx.where} (backward)"
         return _pair(grad_y, ctx.P_x, ctx.axes, not ctx.reduce_in_forward, where), None, None, None, None, None

@@ -131,7 +131,7 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.call[0])
         P_x, fibre, plan = ctx.call
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             return all_gather(grad_y, P_x, axes_all_gather=fibre.axes), None

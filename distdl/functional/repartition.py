@@ -152,7 +152,7 @@ class _Repartition(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.P_x, ctx.P_y)
         pair = ctx.pair
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             grad_x = repartition(grad_y, ctx.P_y, ctx.P_x, pair.preserve_batch)

@@ -191,7 +191,7 @@ class _SumReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        begin_backward(ctx, grad_y)
+        begin_backward(ctx, grad_y, ctx.P_y, ctx.P_dest)
         plan = ctx.plan
         if torch.is_grad_enabled():  # double backward: record the adjoint too
             grad_x = broadcast(grad_y, ctx.P_y, ctx.P_dest, transpose_src=plan.transpose_src,

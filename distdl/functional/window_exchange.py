@@ -258,7 +258,7 @@ class _Window(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        begin_backward(ctx, grad)
+        begin_backward(ctx, grad, ctx.args[0])
         adjoint = window_scatter_add if ctx.forward_direction else window_exchange
         return adjoint(grad, *ctx.args), None, None, None, None
 

@@ -277,6 +277,8 @@ class DataParallel(torch.nn.Module):
             _REDUCING[id(p)] = self
 
     def forward(self, *args, **kwargs):
+        if self.P._freed:  # it reduces on a communicator of its own, which P.free() leaves
+            self.P._check_live("DataParallel")
         if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
             self._abandon()
         if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
