@@ -33,8 +33,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (HEADER_LENGTH, check_dim, check_idle_input, check_partition, check_tensor,
-                                       header_of, in_graph, begin_backward, save_anchor)
+from distdl.functional._common import (HEADER_LENGTH, begin_backward, check_dim, check_idle_input, check_partition,
+                                       check_tensor, header_of, in_graph, save_anchor)
 from distdl.functional._messages import (HEADER_BYTES, carries_payload, copy_payloads, decode, encode_message,
                                          message_length, payloads, remembered)
 from distdl.functional.all_sum_reduce import FibrePlan, checked_fibre, fibre_plan

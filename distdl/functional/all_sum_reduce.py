@@ -19,7 +19,7 @@ import torch
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (check_idle_input, check_partition, check_tensor, in_graph, begin_backward,
+from distdl.functional._common import (begin_backward, check_idle_input, check_partition, check_tensor, in_graph,
                                        resolve_axes_cached, save_anchor)
 from distdl.checks import announce, verify
 from distdl.partition import MPIPartition

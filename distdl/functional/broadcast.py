@@ -32,8 +32,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, grad_like,
-                                       header_of, in_graph, begin_backward, receiving_in_graph, save_anchor,
+from distdl.functional._common import (begin_backward, check_flags, check_idle_input, check_partition, check_tensor,
+                                       grad_like, header_of, in_graph, receiving_in_graph, save_anchor,
                                        zero_volume_like)
 from distdl.functional._messages import (decode, empty_message, encode_message, inline, inline_payload)
 from distdl.functional.repartition import union

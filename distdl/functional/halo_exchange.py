@@ -36,8 +36,8 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.functional._common import (check_dim, check_idle_input, check_partition, check_tensor, in_graph,
-                                       begin_backward, save_anchor)
+from distdl.functional._common import (begin_backward, check_dim, check_idle_input, check_partition, check_tensor,
+                                       in_graph, save_anchor)
 from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep

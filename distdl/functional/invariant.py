@@ -35,7 +35,7 @@ import torch
 from distdl.backends.cuda import host_staged, refuse_unsupported
 from distdl.checks import announce
 from distdl.functional.all_sum_reduce import _run, checked_fibre, fibre_plan, validate
-from distdl.functional._common import in_graph, begin_backward, save_anchor
+from distdl.functional._common import begin_backward, in_graph, save_anchor
 from distdl.partition import MPIPartition
 from distdl.utilities.torch import eager_when_compiled
 

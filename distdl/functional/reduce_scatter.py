@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import in_graph, begin_backward, save_anchor
+from distdl.functional._common import begin_backward, in_graph, save_anchor
 from distdl.functional._messages import carries_payload, sum_payloads
 from distdl.functional.all_gather import Layout, agreed, all_gather, exchange, gather_adjoint, layout, member_plan
 from distdl.checks import verify

@@ -33,8 +33,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (HEADER_LENGTH, check_dim, check_flags, check_idle_input, check_partition,
-                                       check_tensor, decode_header, grad_like, header_of, begin_backward,
+from distdl.functional._common import (HEADER_LENGTH, begin_backward, check_dim, check_flags, check_idle_input,
+                                       check_partition, check_tensor, decode_header, grad_like, header_of,
                                        receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
                                          message_length, payloads)

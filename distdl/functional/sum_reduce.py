@@ -31,8 +31,8 @@ from mpi4py import MPI
 
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
-from distdl.functional._common import (HEADER_LENGTH, check_idle_input, check_tensor, grad_like, header_of, in_graph,
-                                       begin_backward, receiving_in_graph, save_anchor, zero_volume_like)
+from distdl.functional._common import (HEADER_LENGTH, begin_backward, check_idle_input, check_tensor, grad_like,
+                                       header_of, in_graph, receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
                                          remembered, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
