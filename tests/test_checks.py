@@ -336,7 +336,8 @@ def test_partitions_built_differently_are_named(P_world, comm):
 def test_layers_built_differently_are_named(P_world, comm):
     """A loss with another reduction on one worker summed the same three numbers into another loss (silently), or
     ('none') skipped the sum; a convolution with other padding exchanged other windows (raw MPI errors)."""
-    from distdl.nn import DistributedAvgPool1d, DistributedFeatureConv1d, DistributedMaxPool1d, DistributedMSELoss
+    from distdl.nn import (DistributedAvgPool1d, DistributedFeatureConv1d, DistributedMaxPool1d, DistributedMSELoss,
+                           DistributedUpsample)
     last = comm.rank == comm.size - 1
     P = P_world.create_cartesian_topology_partition((comm.size, 1))
     x, y = random_tensor((2, 3), seed=comm.rank), random_tensor((2, 3), seed=comm.rank + 10)
@@ -363,6 +364,10 @@ def test_layers_built_differently_are_named(P_world, comm):
         (DistributedAvgPool1d if last else DistributedMaxPool1d)(P, 2)(x)
     groups = {"DistributedMaxPool1d": list(range(comm.size - 1)), "DistributedAvgPool1d": [comm.size - 1]}
     assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+    # float64 on one worker: the dtype is named first (upsampling's geometry holds a float64 flag, named first)
+    upsample = DistributedUpsample(P, scale_factor=2, mode="linear")
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedUpsample: ranks disagree on dtype: "):
+        upsample(x.double() if last else x)
 
 
 @sizes(2, 3)

@@ -107,7 +107,8 @@ def fetch(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channe
     """
     if check_mode():  # a worker making another windowed call (another layer or geometry, or none) would pair its
         # Allgather with its peers' (silently, where no window is exchanged after it) or with their checks (a hang)
-        verify(where, P_x, x, agree={"geometry": key, "dim": x.dim(), "dtype": x.dtype, "device": x.device.type})
+        # (the geometry last: it may hold a flag of the dtype, which is then named first)
+        verify(where, P_x, x, agree={"dim": x.dim(), "dtype": x.dtype, "device": x.device.type, "geometry": key})
     facts = np.array((*x.shape, torch.is_grad_enabled() and x.requires_grad), dtype=np.int64).reshape(1, -1)
     if P_x.comm.size > 1:
         mine, facts = facts, np.empty((P_x.comm.size, facts.size), dtype=np.int64)
