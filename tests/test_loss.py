@@ -203,6 +203,23 @@ def test_check_mode_an_input_that_is_not_a_dense_tensor_on_one_worker(P_world, c
         assert losses.DistributedMSELoss(P_x)(x, t).shape == ()
 
 
+@sizes(2, 3)
+def test_blocks_of_another_dtype_or_kind_of_target_on_one_worker(P_world, comm):
+    """Float32 blocks on worker 1 and float64 elsewhere, or class indices on worker 1 and probabilities elsewhere:
+    every member raises, naming them (the members returned losses of different dtypes, or a loss of no model)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x, t = _inputs("KLDivLoss", (2 * comm.size, 3), seed=3)
+    x, t = scatter(x, P_x), scatter(t, P_x)
+    with pytest.raises(ValueError, match=r"DistributedKLDivLoss: expected blocks of one dtype \(and one kind of "
+                                         r"target\) on every member of P_x, got torch.float64 on workers? 0(, 2)?; "
+                                         r"torch.float32 on worker 1"):
+        losses.DistributedKLDivLoss(P_x)(*((x.float(), t.float()) if comm.rank == 1 else (x, t)))
+    logits, labels = scatter(random_tensor((2 * comm.size, 4), seed=4), P_x), torch.arange(2) % 4
+    one_hot = F.one_hot(labels, 4).double()
+    with pytest.raises(ValueError, match=r"DistributedCrossEntropyLoss: expected blocks of one dtype"):
+        losses.DistributedCrossEntropyLoss(P_x)(logits, labels if comm.rank == 1 else one_hot)
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1))

@@ -48,6 +48,11 @@ def _loss_dtype(input: torch.Tensor, target: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+# The kinds of block a loss may get (see _DistributedLoss._kind), numbered for the sum that compares them
+_KINDS = [(dtype, probabilities) for probabilities in (False, True)
+          for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)]
+
+
 class _DistributedLoss(torch.nn.Module):
     """Reduce a local elementwise loss over ``P_x``; subclasses define ``_elementwise``."""
 
@@ -98,7 +103,9 @@ class _DistributedLoss(torch.nn.Module):
         # A worker whose block fails (of the wrong shape, a class index out of range, a probability outside
         # [0, 1], a weight of the wrong size) still takes part in the sum, with its failure flagged: every member
         # raises.
-        failures = torch.zeros(self.P_x.size, dtype=torch.float64, device=input.device)
+        n = self.P_x.size
+        failures = torch.zeros(n, dtype=torch.float64, device=input.device)
+        kinds = torch.zeros(n, dtype=torch.float64, device=input.device)  # each member's, to be one
         try:
             self._check_block(name, input, target)
             losses = self._elementwise(input, target)
@@ -107,16 +114,19 @@ class _DistributedLoss(torch.nn.Module):
             batch = torch.tensor(float(input.shape[0] if at_batch_start else 0), dtype=torch.float64,
                                  device=input.device)
             packed = torch.stack([losses.sum(dtype=torch.float64), count.reshape(()), batch])
+            kinds[self.P_x.rank] = 1 + _KINDS.index(self._kind(input, target))
             error = None
         except Exception as failure:
             packed, error = torch.zeros(3, dtype=torch.float64, device=input.device), failure
             failures[self.P_x.rank] = 1
         # and the extents of the blocks, checked to be blocks of one global tensor (distdl.nn._blocks)
         terms = extent_terms(input.shape if error is None else (0,) * self.P_x.dim, self.P_x, self.axes, input.device)
-        total = all_sum_reduce_forward(torch.cat([packed, failures, terms]), self.P_x, axes_reduce=self.axes)
-        if error is not None or total[3:3 + self.P_x.size].any():
-            self._raise_failed(name, total[3:3 + self.P_x.size], error)
-        check_extents(name, total[3 + self.P_x.size:], input.shape, self.P_x, self.axes)
+        total = all_sum_reduce_forward(torch.cat([packed, failures, kinds, terms]), self.P_x, axes_reduce=self.axes)
+        if error is not None or total[3:3 + n].any():
+            self._raise_failed(name, total[3:3 + n], error)
+        if (total[3 + n:3 + 2 * n] != total[3 + n]).any():
+            self._raise_kinds(name, total[3 + n:3 + 2 * n])
+        check_extents(name, total[3 + 2 * n:], input.shape, self.P_x, self.axes)
         loss = total[0] / {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
         if self.reduction == "mean":  # nothing counted: torch's 0 / 0 = nan, also where label smoothing added to
             loss = loss + torch.where(total[1] == 0, float("nan"), 0.0)  # the sum (inf); a constant: same gradients
@@ -131,6 +141,23 @@ class _DistributedLoss(torch.nn.Module):
         if tuple(target.shape) != expected:
             raise ValueError(f"{name}: expected a target of shape {expected} (the input's block is "
                              f"{tuple(input.shape)}), got shape {tuple(target.shape)} on worker {self.P_x._root.rank}")
+
+    def _kind(self, input: torch.Tensor, target: torch.Tensor) -> tuple[torch.dtype, bool]:
+        """Return what must be alike on every member: the loss's dtype, and whether the target holds probabilities
+        rather than class indices (only the cross entropy takes both)."""
+        return _loss_dtype(input, target), False
+
+    def _raise_kinds(self, name: str, kinds: torch.Tensor) -> None:
+        """Raise ValueError, on every member, naming the members whose blocks differ in dtype or kind of target."""
+        members = self.P_x.root_ranks or range(self.P_x.size)
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(kinds.tolist()):
+            dtype, probabilities = _KINDS[int(k) - 1]
+            what = str(dtype) + (", class probabilities" if probabilities else "")
+            groups.setdefault(what, []).append(members[i])
+        raise ValueError(f"{name}: expected blocks of one dtype (and one kind of target) on every member of P_x, got "
+                         + "; ".join(f"{what} on worker{'s' if len(w) > 1 else ''} {', '.join(map(str, w))}"
+                                     for what, w in groups.items()))
 
     def _raise_failed(self, name: str, failures: torch.Tensor, error: Exception | None) -> None:
         """Raise, on every member, for the members whose block failed: ``error`` where this is one of them."""
@@ -262,6 +289,9 @@ class DistributedCrossEntropyLoss(_DistributedLoss):
     def _elementwise(self, input, target):
         return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
                                reduction="none", label_smoothing=self.label_smoothing)
+
+    def _kind(self, input, target):
+        return _loss_dtype(input, target), target.is_floating_point()
 
     def _count(self, input, target):
         if target.is_floating_point():
