@@ -115,10 +115,25 @@ def _detached(what: str, y, x: torch.Tensor, rank: int) -> str | None:
     """Return why ``y`` cannot carry a gradient back to ``x`` on this worker (None if it can)."""
     if not isinstance(y, torch.Tensor):
         return f"{what} on rank {rank} is a {type(y).__name__}, not a tensor"
-    if not y.requires_grad or (y.grad_fn is None and y is not x):
-        return (f"{what} on rank {rank} is not in the autograd graph of the input (detached, or a new leaf): no "
-                "gradient flows back there, and the other workers' backward would wait for it")
+    if not (y is x or _reaches(y.grad_fn, x)):
+        return (f"{what} on rank {rank} is not in the autograd graph of the input (detached, or a new leaf, or "
+                "computed from detached values): no gradient flows back there, and the other workers' backward "
+                "would wait for it")
     return None
+
+
+def _reaches(node, x: torch.Tensor) -> bool:
+    """Return whether the autograd graph below ``node`` accumulates into the leaf ``x``."""
+    seen, todo = set(), [node]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is x:
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _vjp(y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, create_graph: bool) -> torch.Tensor | None:
@@ -146,12 +161,16 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     _agree(comm, _detached("assert_adjoint: the output", y, x, comm.rank))
     dy = random_tensor(y.shape, base + 1, y.dtype if y.is_complex() else torch.float64).to(y.device).requires_grad_()
     dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
-    dx = torch.zeros_like(x) if dx is None else dx
+    unused = dx is None  # a backward that gives this input no gradient: zero, so its adjoint is zero too
+    dx = torch.zeros_like(x) if unused else dx
     forward, adjoint = _allsum(comm, [_dot(y, dy), _dot(x, dx)])
     _assert_close("assert_adjoint", ("<F x, y>", "<x, F* y>"), comm, forward, adjoint, rtol)
     if adjoint_of_adjoint:
         v = random_tensor(x.shape, base + 2, x.dtype).to(x.device)
-        dv = _vjp(dx, dy, v, create_graph=False) if dx.requires_grad else None
+        if unused:
+            dv = torch.zeros_like(dy)
+        else:
+            dv = _vjp(dx, dy, v, create_graph=False) if dx.requires_grad else None
         _agree(comm, None if dv is not None else (
             f"assert_adjoint: the backward on rank {comm.rank} is not differentiable (its result does not depend "
             "on the cotangent in the autograd graph); pass adjoint_of_adjoint=False to check the adjoint only"))
@@ -161,8 +180,10 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
 
 
 # (rtol, atol) when not given: 1e-7/1e-9 for float64 and complex128, torch.testing.assert_close's for the others
+# (which are exact for the dtypes it has no entry for, such as the float8 ones)
 _TOLERANCES = {torch.float64: (1e-7, 1e-9), torch.complex128: (1e-7, 1e-9), torch.float32: (1.3e-6, 1e-5),
-               torch.complex64: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+               torch.complex64: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
+               torch.complex32: (1e-3, 1e-5)}
 
 
 def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Tensor],
@@ -179,7 +200,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     collective. Parameter gradients are NOT compared: both operators' parameters
     hold theirs (from the same cotangent) on return, for the caller to compare. Returns this worker's
     ``(x_local, y_local)``. ``rtol`` and ``atol``, each where not given, follow ``x_global``'s dtype: 1e-7 and
-    1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for the other dtypes.
+    1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for the other dtypes (exact
+    for those it has none for, such as the float8 ones).
     ``x_global`` must be of a floating or complex dtype (the input gradient is compared): any other raises
     TypeError on every worker, before any communication.
     """
@@ -208,7 +230,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     expected_grad = scatter(x_ref.grad, P_x)
     failure = None
     if P_x.active:
-        failure = _difference(x_local.grad, expected_grad, rtol, atol, f"input gradient differs on rank {rank}")
+        grad = torch.zeros_like(x_local) if x_local.grad is None else x_local.grad  # None: an unused input
+        failure = _difference(grad, expected_grad, rtol, atol, f"input gradient differs on rank {rank}")
     _agree(root, failure)
     return x_local, y_local
 

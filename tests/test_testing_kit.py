@@ -137,17 +137,21 @@ class _NotDifferentiable(torch.autograd.Function):
 
 
 @sizes(2, 3)
-@pytest.mark.parametrize("cut", ["leaf", "detached", "None"])
+@pytest.mark.parametrize("cut", ["leaf", "detached", "None", "below"])
 def test_an_output_cut_from_the_graph_fails_on_every_worker(P_world, comm, cut):
     """Right values on every worker, but on worker 1 the output carries no gradient back: the other workers
     waited in the repartition's backward, worker 1 in the kit's agreement (a hang), or worker 1 alone raised
-    torch's error (a detached output) or an AttributeError (None); now every worker fails before the backward."""
+    torch's error (a detached output) or an AttributeError (None); now every worker fails before the backward.
+    "below": an output in a graph (a detached value plus a parameter) that does not reach the input, which
+    passed the kit's check and hung."""
     P_x, P_y, op = _pair(P_world, comm)
 
     def distributed(x):
         y = op(x)
         if comm.rank != 1:
             return y
+        if cut == "below":
+            return y.detach() + torch.zeros_like(y, requires_grad=True)
         return {"leaf": y.detach().requires_grad_(), "detached": y.detach(), "None": None}[cut]
     what = "is a NoneType, not a tensor" if cut == "None" else "is not in the autograd graph of the input"
     with pytest.raises(AssertionError, match=f"the output on rank 1 {what}"):
@@ -170,6 +174,21 @@ def test_a_backward_that_is_not_differentiable(P_world, comm):
                                              r"<y, F\*\* v> = "):
         assert_adjoint(lambda x: _Backward.apply(x, lambda g: _Backward.apply(g, lambda h: 2 * h)), torch.zeros(5),
                        comm)  # the adjoint right, its adjoint twice what it should be
+
+
+@sizes(1, 2)
+def test_an_unused_input_has_a_zero_gradient(P_world, comm):
+    """The zero operator whose backward gives the input no gradient (None): its gradient is zero, as is its
+    adjoint's adjoint (the equivalence compared None with the zeros and failed; the adjoint's adjoint said the
+    backward was not differentiable)."""
+    P = P_world.create_cartesian_topology_partition((comm.size, 1))
+
+    def zero(x):
+        return _Backward.apply(x, lambda g: None) * 0
+    assert_sequential_equivalence(zero, lambda x: x * 0, random_tensor((3, 2), seed=5), P, P)
+    assert_adjoint(zero, scatter(torch.zeros(3, 2), P), comm)
+    with pytest.raises(AssertionError, match="input gradient differs on rank"):  # and a zero gradient is compared
+        assert_sequential_equivalence(zero, lambda x: x - x.detach(), random_tensor((3, 2), seed=5), P, P)
 
 
 @sizes(2, 3)
