@@ -11,12 +11,14 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from distdl.functional._common import check_partition, check_tensor, recording_collectives
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
 from distdl.utilities.torch import zero_volume_tensor
@@ -30,7 +32,10 @@ def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch
     for a dtype that is neither floating nor complex."""
     if not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
         raise TypeError(f"random_tensor: expected a floating or complex dtype, got {dtype}")
-    shape = (shape,) if isinstance(shape, int) else shape
+    try:
+        shape = (operator.index(shape),)  # one int (or a numpy integer)
+    except TypeError:
+        pass
     generator = torch.Generator().manual_seed(seed)
     draw = torch.complex128 if dtype.is_complex else torch.float64
     return torch.randn(tuple(shape), generator=generator, dtype=draw).to(dtype)
@@ -45,7 +50,7 @@ def scatter(x_global: torch.Tensor, P: MPIPartition, preserve_batch: bool = Fals
     """
     if not isinstance(x_global, torch.Tensor):
         raise TypeError(f"scatter: expected a tensor for x_global, got {type(x_global).__name__}")
-    P._check_live("scatter")
+    check_partition("scatter", "P", P)
     if x_global.dim() != P.dim:
         raise ValueError(f"scatter: expected a tensor of {P.dim} dimensions for a partition of shape {P.shape}, "
                          f"got shape {tuple(x_global.shape)}")
@@ -67,14 +72,14 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
     of a balanced decomposition of another shape than the one meant (one row short on every worker of
     an axis) gather without an error.
     """
-    P._check_live("gather")
+    check_partition("gather", "P", P)
     mine = type(x_local).__name__ if not isinstance(x_local, torch.Tensor) else (
-        (P.index, x_local.detach().cpu().clone()) if P.active else None)
-    items = P._root.allgather(mine)
+        (P.index, _bytes(x_local)) if P.active else None)
+    items = P._root.allgather(mine)  # pickled: as bytes, for dtypes torch cannot pickle (float8, complex32)
     wrong = [f"a {item} on rank {r}" for r, item in enumerate(items) if isinstance(item, str)]
     if wrong:
         raise TypeError(f"gather: expected a tensor on every worker, got {', '.join(wrong)}")
-    blocks = {index: block for item in items if item is not None for index, block in [item]}
+    blocks = {index: _from_bytes(*block) for item in items if item is not None for index, block in [item]}
     first = next(iter(blocks.values()))  # the same block on every worker (root rank order)
     for index, block in blocks.items():
         if block.dim() != P.dim or block.dtype != first.dtype:
@@ -95,6 +100,15 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
     return out.to(x_local.device)
 
 
+def _bytes(x: torch.Tensor) -> tuple:
+    flat = x.detach().cpu().resolve_conj().resolve_neg().reshape(-1)
+    return x.dtype, x.shape, flat.view(torch.uint8).numpy().copy()
+
+
+def _from_bytes(dtype: torch.dtype, shape: torch.Size, data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
 def _allsum(comm: MPI.Comm, values: list[float]) -> list[float]:
     return [float(v) for v in comm.allreduce(np.array([float(v) for v in values], dtype=np.float64))]
 
@@ -111,29 +125,44 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.detach().conj() * b.detach()).real.sum()
 
 
-def _detached(what: str, y, x: torch.Tensor, rank: int) -> str | None:
-    """Return why ``y`` cannot carry a gradient back to ``x`` on this worker (None if it can)."""
-    if not isinstance(y, torch.Tensor):
-        return f"{what} on rank {rank} is a {type(y).__name__}, not a tensor"
-    if not (y is x or _reaches(y.grad_fn, x)):
-        return (f"{what} on rank {rank} is not in the autograd graph of the input (detached, or a new leaf, or "
-                "computed from detached values): no gradient flows back there, and the other workers' backward "
-                "would wait for it")
-    return None
-
-
-def _reaches(node, x: torch.Tensor) -> bool:
-    """Return whether the autograd graph below ``node`` accumulates into the leaf ``x``."""
+def _graph(node) -> set:
+    """Return the autograd nodes at and below ``node`` (none below None)."""
     seen, todo = set(), [node]
     while todo:
         node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if getattr(node, "variable", None) is x:
-            return True
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return False
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(next_node for next_node, _ in node.next_functions)
+    return seen
+
+
+def _cut(what: str, comm: MPI.Comm, y, x: torch.Tensor, made: list, detached: str, hint: str = "",
+         unused: bool = False) -> str | None:
+    """Return why ``y`` cannot carry a gradient back on this worker (None if it can); collective over ``comm``.
+
+    ``y`` must be a tensor whose graph reaches the leaf ``x`` (else ``what``, ``detached`` and ``hint`` say so; with
+    ``unused``, ``y`` None has nothing to carry back), and reach the collectives ``made`` for it (see
+    recording_collectives) that other workers' graphs reach: a backward that skipped one here would leave them
+    waiting for it.
+    """
+    graph = _graph(y.grad_fn) if isinstance(y, torch.Tensor) else set()
+    made = [node for node in made if node.next_functions]  # those in a graph (not made under no_grad)
+    reached = tuple(node in graph for node in made)
+    everyone = comm.allgather(reached)
+    if not (isinstance(y, torch.Tensor) or (unused and y is None)):
+        return f"{what} on rank {comm.rank} is a {type(y).__name__}, not a tensor"
+    if y is not None and not (y is x or any(getattr(node, "variable", None) is x for node in graph)):
+        return f"{what} on rank {comm.rank} {detached}{hint}"
+    if all(reached) or all(other == reached for other in everyone):
+        return None
+    names = ", ".join(sorted({type(node).__name__.strip("_").removesuffix("Backward")
+                              for node, r in zip(made, reached) if not r}))
+    return (f"{what} on rank {comm.rank} does not depend on the result of its {names} (detached on the way?), "
+            f"where other workers' do: a backward would skip it here, and the other workers would wait for it{hint}")
+
+
+_DETACHED = ("is not in the autograd graph of the input (detached, or a new leaf, or computed from detached "
+             "values): no gradient flows back there, and the other workers' backward would wait for it")
 
 
 def _vjp(y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, create_graph: bool) -> torch.Tensor | None:
@@ -150,40 +179,46 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     adjoint does not depend on them, and zeros or ones could hide a wrong one): float64, or complex128
     where ``x`` or the output is complex (the inner product is then the real one, ``Re sum(conj(a) b)``,
     in which torch's gradients are adjoints). The inner products are summed over ``comm`` and every
-    worker asserts; an output that is not a tensor in the autograd graph of ``x`` on any worker fails on
-    every worker before the backward. With ``adjoint_of_adjoint``, the double backward is checked to be
-    the adjoint of the backward (a backward that is not differentiable fails: pass False).
+    worker asserts; an output that is not a tensor in the autograd graph of ``x`` on any worker, or whose graph
+    leaves out there a collective of distdl's made for it that other workers' graphs reach (a result detached on
+    the way), fails on every worker before the backward. With ``adjoint_of_adjoint``, the double backward is
+    checked to be the adjoint of the backward (a backward that is not differentiable, on any worker, fails on
+    every worker: pass False).
     """
+    check_tensor("assert_adjoint (x)", x)
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"assert_adjoint: expected an MPI communicator for comm, got {type(comm).__name__}"
+                        + (" (a partition's is its .comm)" if isinstance(comm, MPIPartition) else ""))
     base = seed * 100003 + 3 * comm.rank
     x = random_tensor(x.shape, base, torch.complex128 if x.is_complex() else torch.float64).to(x.device)
     x.requires_grad_()
-    y = op(x)
-    _agree(comm, _detached("assert_adjoint: the output", y, x, comm.rank))
+    with recording_collectives() as made:
+        y = op(x)
+    _agree(comm, _cut("assert_adjoint: the output", comm, y, x, made, _DETACHED))
     dy = random_tensor(y.shape, base + 1, y.dtype if y.is_complex() else torch.float64).to(y.device).requires_grad_()
-    dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
+    with recording_collectives() as made:
+        dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
     unused = dx is None  # a backward that gives this input no gradient: zero, so its adjoint is zero too
-    dx = torch.zeros_like(x) if unused else dx
-    forward, adjoint = _allsum(comm, [_dot(y, dy), _dot(x, dx)])
+    forward, adjoint = _allsum(comm, [_dot(y, dy), 0.0 if unused else _dot(x, dx)])
     _assert_close("assert_adjoint", ("<F x, y>", "<x, F* y>"), comm, forward, adjoint, rtol)
     if adjoint_of_adjoint:
+        _agree(comm, _cut("assert_adjoint: the backward", comm, dx, dy, made, "is not differentiable (its result "
+                          "does not depend on the cotangent in the autograd graph)",
+                          "; pass adjoint_of_adjoint=False to check the adjoint only", unused=True))
         v = random_tensor(x.shape, base + 2, x.dtype).to(x.device)
-        if unused:
-            dv = torch.zeros_like(dy)
-        else:
-            dv = _vjp(dx, dy, v, create_graph=False) if dx.requires_grad else None
-        _agree(comm, None if dv is not None else (
-            f"assert_adjoint: the backward on rank {comm.rank} is not differentiable (its result does not depend "
-            "on the cotangent in the autograd graph); pass adjoint_of_adjoint=False to check the adjoint only"))
-        backward, double = _allsum(comm, [_dot(dx, v), _dot(dy, dv)])
+        dv = None if unused else _vjp(dx, dy, v, create_graph=False)
+        backward, double = _allsum(comm, [0.0 if unused else _dot(dx, v), 0.0 if unused else _dot(dy, dv)])
         _assert_close("assert_adjoint (adjoint of the adjoint)", ("<F* y, v>", "<y, F** v>"), comm, backward, double,
                       rtol)
 
 
-# (rtol, atol) when not given: 1e-7/1e-9 for float64 and complex128, torch.testing.assert_close's for the others
-# (which are exact for the dtypes it has no entry for, such as the float8 ones)
+# (rtol, atol) when not given: 1e-7/1e-9 for float64 and complex128, torch.testing.assert_close's for float32 and
+# complex64; for the 16-bit dtypes its rtol, with an atol of rtol times the largest magnitude compared (None here):
+# sums over blocks round apart from sequential ones by a unit in the last place of their terms, and torch's atol
+# of 1e-5 is below that. Exact for a dtype without an entry (float8: torch.testing has no defaults for it either).
 _TOLERANCES = {torch.float64: (1e-7, 1e-9), torch.complex128: (1e-7, 1e-9), torch.float32: (1.3e-6, 1e-5),
-               torch.complex64: (1.3e-6, 1e-5), torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5),
-               torch.complex32: (1e-3, 1e-5)}
+               torch.complex64: (1.3e-6, 1e-5), torch.float16: (1e-3, None), torch.bfloat16: (1.6e-2, None),
+               torch.complex32: (1e-3, None)}
 
 
 def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Tensor],
@@ -196,27 +231,34 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     blocks of the sequential output over ``P_y``, then a global random cotangent (whose blocks
     differ per worker) is pulled back and input gradients compared. A difference on any worker raises
     AssertionError on every worker of the root partition (before the backward, for the forward, and for an
-    output that is not a tensor in the autograd graph of the input), so no worker is left waiting in a
-    collective. Parameter gradients are NOT compared: both operators' parameters
-    hold theirs (from the same cotangent) on return, for the caller to compare. Returns this worker's
+    output that is not a tensor in the autograd graph of the input, or leaves out a collective as
+    :func:`assert_adjoint` says), so no worker is left waiting in a collective. Parameter gradients are NOT
+    compared: both operators' parameters hold theirs (from the same cotangent) on return, for the caller to
+    compare. Returns this worker's
     ``(x_local, y_local)``. ``rtol`` and ``atol``, each where not given, follow ``x_global``'s dtype: 1e-7 and
-    1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for the other dtypes (exact
-    for those it has none for, such as the float8 ones).
+    1e-9 for float64 and complex128, :func:`torch.testing.assert_close`'s defaults for float32 and complex64; for
+    float16, bfloat16 and complex32 its rtol and an atol of rtol times the largest magnitude of the tensor
+    compared (sums over blocks round apart from sequential ones by about a unit in the last place of their
+    largest terms); exact for other dtypes (float8).
     ``x_global`` must be of a floating or complex dtype (the input gradient is compared): any other raises
     TypeError on every worker, before any communication.
     """
+    check_tensor("assert_sequential_equivalence (x_global)", x_global)
+    check_partition("assert_sequential_equivalence", "P_x", P_x)
+    check_partition("assert_sequential_equivalence", "P_y", P_y)
     if not (x_global.is_floating_point() or x_global.is_complex()):
         raise TypeError(f"assert_sequential_equivalence: expected x_global of a floating or complex dtype (its "
                         f"input gradient is compared), got {x_global.dtype}")
-    default_rtol, default_atol = _TOLERANCES.get(x_global.dtype, (0.0, 0.0))  # a dtype without an entry: exact
-    rtol, atol = default_rtol if rtol is None else rtol, default_atol if atol is None else atol
+    default_rtol, default_atol = _TOLERANCES.get(x_global.dtype, (0.0, 0.0))
+    rtol, atol = default_rtol if rtol is None else rtol, default_atol if atol is None else atol  # None: scaled
     x_ref = x_global.detach().clone().requires_grad_()
     y_ref = sequential(x_ref)
     x_local = scatter(x_global.detach(), P_x).requires_grad_()
-    y_local = distributed(x_local)
+    with recording_collectives() as made:
+        y_local = distributed(x_local)
     expected = scatter(y_ref.detach(), P_y)
     root, rank = P_x._root, P_x._root.rank
-    failure = _detached("assert_sequential_equivalence: the output", y_local, x_local, rank)
+    failure = _cut("assert_sequential_equivalence: the output", root, y_local, x_local, made, _DETACHED)
     if isinstance(y_local, torch.Tensor) and P_y.active:
         failure = _difference(y_local.detach(), expected, rtol, atol,
                               f"forward differs from the sequential result on rank {rank}") or failure
@@ -227,7 +269,7 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     y_ref.backward(dy_global)
     dy_local = scatter(dy_global, P_y)
     y_local.backward(dy_local if P_y.active else torch.zeros_like(y_local))
-    expected_grad = scatter(x_ref.grad, P_x)
+    expected_grad = scatter(torch.zeros_like(x_ref) if x_ref.grad is None else x_ref.grad, P_x)  # None: unused
     failure = None
     if P_x.active:
         grad = torch.zeros_like(x_local) if x_local.grad is None else x_local.grad  # None: an unused input
@@ -236,9 +278,13 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     return x_local, y_local
 
 
-def _difference(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float, atol: float,
+def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float | None,
                 what: str) -> str | None:
-    """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close."""
+    """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close. ``atol``
+    None: ``rtol`` times the largest magnitude in ``expected``."""
+    if atol is None:
+        atol = rtol * float(expected.detach().cpu().to(torch.complex64 if expected.is_complex() else torch.float32)
+                            .abs().max()) if expected.numel() else 0.0
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError as error:

@@ -1,5 +1,6 @@
 """The test kit users check their own layers with: a wrong layer fails, on every worker, without a hang."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,13 +138,14 @@ class _NotDifferentiable(torch.autograd.Function):
 
 
 @sizes(2, 3)
-@pytest.mark.parametrize("cut", ["leaf", "detached", "None", "below"])
+@pytest.mark.parametrize("cut", ["leaf", "detached", "None", "below", "collective"])
 def test_an_output_cut_from_the_graph_fails_on_every_worker(P_world, comm, cut):
     """Right values on every worker, but on worker 1 the output carries no gradient back: the other workers
     waited in the repartition's backward, worker 1 in the kit's agreement (a hang), or worker 1 alone raised
     torch's error (a detached output) or an AttributeError (None); now every worker fails before the backward.
     "below": an output in a graph (a detached value plus a parameter) that does not reach the input, which
-    passed the kit's check and hung."""
+    passed the kit's check and hung; "collective": an output that reaches the input, but not the repartition made
+    for it (a detached value plus a term in the input), which hung too."""
     P_x, P_y, op = _pair(P_world, comm)
 
     def distributed(x):
@@ -152,8 +154,12 @@ def test_an_output_cut_from_the_graph_fails_on_every_worker(P_world, comm, cut):
             return y
         if cut == "below":
             return y.detach() + torch.zeros_like(y, requires_grad=True)
+        if cut == "collective":
+            return y.detach() + 0 * x.sum()
         return {"leaf": y.detach().requires_grad_(), "detached": y.detach(), "None": None}[cut]
-    what = "is a NoneType, not a tensor" if cut == "None" else "is not in the autograd graph of the input"
+    what = {"None": "is a NoneType, not a tensor",
+            "collective": r"does not depend on the result of its Repartition \(detached on the way\?\), where other "
+                          "workers' do"}.get(cut, "is not in the autograd graph of the input")
     with pytest.raises(AssertionError, match=f"the output on rank 1 {what}"):
         assert_sequential_equivalence(distributed, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)
     with pytest.raises(AssertionError, match=f"assert_adjoint: the output on rank 1 {what}"):
@@ -187,8 +193,52 @@ def test_an_unused_input_has_a_zero_gradient(P_world, comm):
         return _Backward.apply(x, lambda g: None) * 0
     assert_sequential_equivalence(zero, lambda x: x * 0, random_tensor((3, 2), seed=5), P, P)
     assert_adjoint(zero, scatter(torch.zeros(3, 2), P), comm)
+    w = torch.ones((), requires_grad=True)  # a sequential operator whose input gets no gradient either
+    assert_sequential_equivalence(zero, lambda x: torch.zeros_like(x) * w, random_tensor((3, 2), seed=5), P, P)
     with pytest.raises(AssertionError, match="input gradient differs on rank"):  # and a zero gradient is compared
         assert_sequential_equivalence(zero, lambda x: x - x.detach(), random_tensor((3, 2), seed=5), P, P)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("backward", ["None", "not differentiable"])
+def test_a_backward_differentiable_on_some_workers_only(P_world, comm, backward):
+    """On worker 1 the backward gives the input no gradient, or one that cannot be differentiated again: the
+    adjoint of the adjoint fails on every worker (the others waited in the repartition's double backward)."""
+    P_x, P_y, op = _pair(P_world, comm)
+    local = {"None": lambda x: _Backward.apply(x, lambda g: None) * 0, "not differentiable": _NotDifferentiable.apply}
+
+    def distributed(x):
+        return op(local[backward](x) if comm.rank == 1 else x)
+    what = ("is not differentiable" if backward == "not differentiable" else
+            r"does not depend on the result of its Repartition \(detached on the way\?\)")
+    with pytest.raises(AssertionError, match=f"assert_adjoint: the backward on rank 1 {what}.*"
+                                             "pass adjoint_of_adjoint=False"):
+        assert_adjoint(distributed, scatter(torch.zeros(4, 5), P_x), comm)
+    assert_adjoint(distributed, scatter(torch.zeros(4, 5), P_x), comm, adjoint_of_adjoint=False)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_dtypes_are_compared_at_their_precision(P_world, comm, dtype):
+    """A convolution's halo gradients add in another order than torch's: a unit in the last place of the largest
+    terms apart, beyond torch's atol of 1e-5, and passes; a gradient 10% off in one element still fails."""
+    from distdl.nn import DistributedFeatureConv2d
+    P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size, 1))
+    layer, ref = DistributedFeatureConv2d(P_x, 2, 3, 3, padding=1).to(dtype), torch.nn.Conv2d(2, 3, 3, padding=1)
+    ref = ref.to(dtype)
+    with torch.no_grad():
+        for p, q, seed in ((layer.weight, ref.weight, 1), (layer.bias, ref.bias, 2)):
+            q.copy_(random_tensor(q.shape, seed=seed))
+            p.copy_(q)
+    x = random_tensor((2, 2, 7, 5), seed=4, dtype=dtype)
+    assert_sequential_equivalence(layer, ref, x, P_x, P_x)
+
+    def far_off(grad):
+        grad = grad.clone()
+        grad.view(-1)[:1] *= 1.1
+        return grad
+    with pytest.raises(AssertionError, match="input gradient differs"):
+        assert_sequential_equivalence(lambda x: layer(_Backward.apply(x, far_off)), ref, x, P_x, P_x)
 
 
 @sizes(2, 3)
@@ -205,6 +255,7 @@ def test_complex_operators(P_world, comm):
 
 
 @sizes(2, 3)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_arguments_of_the_kit(P_world, comm):
     """Non-tensors, freed partitions and integer dtypes are named errors on every worker (gather raised
     AttributeError on one worker while the others waited; a freed partition passed for one without members)."""
@@ -225,6 +276,26 @@ def test_arguments_of_the_kit(P_world, comm):
     Q.free()
     for call, where in [(lambda: scatter(torch.ones(comm.size), Q), "scatter"), (lambda: gather(x, Q), "gather"),
                         (lambda: describe(Q), "describe")]:
-        with pytest.raises(ValueError, match=f"{where}: the partition of shape .* was freed"):
+        with pytest.raises(ValueError, match=f"{where}( \\(P\\))?: the partition of shape .* was freed"):
             call()
     torch.testing.assert_close(gather(x, P), random_tensor((2 * comm.size + 1,), seed=4), rtol=0, atol=0)
+    # a wrong kind of argument is named, before any communication (AttributeError or TypeError from inside)
+    with pytest.raises(TypeError, match="assert_sequential_equivalence \\(x_global\\): expected a torch.Tensor, "
+                                        "got ndarray"):
+        assert_sequential_equivalence(lambda x: x, lambda x: x, x.numpy(), P, P)
+    with pytest.raises(TypeError, match="assert_sequential_equivalence: expected an MPIPartition for P_y, got "
+                                        "Intracomm"):
+        assert_sequential_equivalence(lambda x: x, lambda x: x, x, P, comm)
+    with pytest.raises(TypeError, match=r"assert_adjoint: expected an MPI communicator for comm, got MPIPartition "
+                                        r"\(a partition's is its .comm\)"):
+        assert_adjoint(lambda x: x, x, P)
+    with pytest.raises(TypeError, match="assert_adjoint \\(x\\): expected a torch.Tensor, got ndarray"):
+        assert_adjoint(lambda x: x, x.numpy(), comm)
+    for call, where in [(lambda: scatter(x, comm), "scatter"), (lambda: gather(x, None), "gather")]:
+        with pytest.raises(TypeError, match=f"{where}: expected an MPIPartition for P, got"):
+            call()
+    assert random_tensor(np.int64(3), seed=0).shape == (3,)
+    for dtype in (torch.float8_e4m3fn, torch.complex32):  # dtypes torch cannot pickle
+        y = random_tensor((2 * comm.size + 1, 2), seed=4, dtype=dtype)
+        Q = P_world.create_cartesian_topology_partition((comm.size, 1))
+        assert gather(scatter(y, Q), Q).view(torch.uint8).equal(y.view(torch.uint8))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -111,8 +112,27 @@ except (AttributeError, TypeError):  # a torch without it: always save
     _saved_tensor_hooks = bool
 
 
+_record: list | None = None  # the autograd nodes of the collectives made, while distdl.testing takes a record
+
+
+@contextlib.contextmanager
+def recording_collectives() -> Iterator[list]:
+    """Within: the autograd nodes of the collectives made are appended to the list given (for distdl.testing, which
+    checks that an output's graph reaches them alike on every worker). Nodes made under no_grad are appended too:
+    they have no ``next_functions``."""
+    global _record
+    outer, _record = _record, []
+    try:
+        yield _record
+    finally:
+        _record = outer
+
+
 def save_anchor(ctx) -> None:
-    """In a collective's forward: save the recomputation anchor where saved-tensor hooks are on (see above)."""
+    """In a collective's forward: save the recomputation anchor where saved-tensor hooks are on (see above); add
+    ``ctx`` (its autograd node) to a record being taken."""
+    if _record is not None:
+        _record.append(ctx)
     if _saved_tensor_hooks(False) is not None:
         ctx.save_for_backward(_ANCHOR)
         ctx.anchored = True
