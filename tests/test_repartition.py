@@ -111,6 +111,12 @@ def test_inactive_workers_and_zero_volume(P_world, comm):
     empty = scatter(torch.zeros(0, 5), P_x, preserve_batch=True)
     y = layer(empty)
     assert y.shape == ((0, 3 if comm.rank == 1 else 2) if P_y.active else (0, 0))
+    # Integer data keeps its dtype on every worker (rank 3, in neither, too), outside the graph.
+    ints_global = torch.arange(30).reshape(6, 5) + 2 ** 40
+    ints = scatter(ints_global, P_x, preserve_batch=True)
+    y = layer(ints)
+    assert y.dtype == torch.int64 and not y.requires_grad, (comm.rank, y.dtype, y.requires_grad)
+    assert y.shape == _expected(ints_global, P_y, ints).shape and torch.equal(y, _expected(ints_global, P_y, ints))
     if not P_x.active:
         with pytest.raises(ValueError, match=rf"repartition: worker {comm.rank} is outside P_x and expected a "
                                              r"zero-volume tensor, got shape \(2, 2\)"):

@@ -35,7 +35,7 @@ from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, begin_backward, check_dim, check_flags, check_idle_input,
                                        check_partition, check_tensor, decode_header, grad_like, header_of,
-                                       receiving_in_graph, save_anchor, zero_volume_like)
+                                       in_graph, receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (HEADER_BYTES, MESSAGE_LENGTH, empty_message, encode_message, inline,
                                          message_length, payloads)
 from distdl.checks import announce, check_mode, verify
@@ -81,7 +81,7 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, pair.P_union or P_x, agree=())
     if torch.is_grad_enabled():
-        x = receiving_in_graph(x)
+        x = receiving_in_graph(x) if P_y.active else in_graph(x)  # a worker in neither keeps its dtype
         if x.requires_grad:
             return _Repartition.apply(x, pair)
     return _forward(x, P_x, P_y, pair)[0]  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
