@@ -291,6 +291,27 @@ def test_a_state_dict_load_on_rank_0_alone_is_named(P_world, comm):
 
 
 @sizes(2, 3)
+def test_state_calls_on_rank_0_alone_time_out_naming_them(P_world, comm, monkeypatch):
+    """state_dict() and load_state_dict() of a collect_state layer are collective over the root partition: on rank 0
+    alone they hung in its exchange, before any check; in check mode rank 0 raises, naming the call."""
+    from distdl.nn import DistributedLayerNorm
+    layer = DistributedLayerNorm(P_world.create_cartesian_topology_partition((comm.size,)), 4, collect_state=True)
+    monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "1")
+    calls = {"state_dict": layer.state_dict,
+             "load_state_dict": lambda: layer.load_state_dict(torch.nn.LayerNorm(4).state_dict())}
+    for where, call in calls.items():
+        if comm.rank == 0:
+            with checking(), pytest.raises(CollectiveTimeoutError, match=rf"^{where}: waited \d+ s in check mode"):
+                call()
+            request, _ = checks._abandoned.pop()
+            comm.bcast(None, root=0)  # it gave up: the others now join the exchange it waited in, to complete it
+            request.Wait()
+        else:
+            comm.bcast(None, root=0)
+            P_world._root.Iallgather(np.zeros(4, dtype=np.int64), np.empty((comm.size, 4), dtype=np.int64)).Wait()
+
+
+@sizes(2, 3)
 def test_a_call_skipped_before_a_call_on_another_communicator_times_out(P_world, comm, monkeypatch):
     """The last rank skips a call on A and goes on to one on B, where its peers never come (they wait on A): the
     sequence numbers, counted per communicator, cannot pair them up; past DISTDL_CHECK_TIMEOUT each raises,

@@ -2,13 +2,13 @@
 
 A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_state=True``:
 
-- ``state_dict()`` (collective over the layer's partition) returns on rank 0 of the root partition
+- ``state_dict()`` (collective over the root partition: every worker calls it) returns on rank 0 of the root partition
   (the one every partition derives from; usually the world's) the same keys and *global* shapes as
   the equivalent torch layer; on every other worker this layer's keys are omitted. Where the
   layer's partition leaves that worker out, its own rank 0 collects the state and hands it over.
   Split tensors, and every tensor handed over from another worker, come back as new tensors, with
   ``keep_vars=True`` too (not the parameters).
-- ``load_state_dict()`` (collective; call it on every worker) takes the values of rank 0 of the root
+- ``load_state_dict()`` (collective over the root partition too) takes the values of rank 0 of the root
   partition (handed to the layer's rank 0 where that is another worker), checks their global shapes
   and sends each worker its block; the other workers may pass the same dict or one without these
   keys (no missing-key error). That holds for such layers' keys only: plain torch modules in the model
@@ -24,10 +24,8 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
 - The layer's partition must be one every worker knows: a partition made by ``create_subpartition``
   (each worker's own sub-grid) raises ValueError on every worker; use ``collect_state=False`` there.
 - Call both on every worker: ``state = model.state_dict()`` everywhere, then
-  ``if rank == 0: torch.save(state, path)``. ``state_dict()`` on rank 0 alone waits forever for the
-  others where a layer has split tensors (and skips the hand-over of the others), and
-  ``load_state_dict`` on rank 0 alone pairs with the others' next call (check mode, ``DISTDL_CHECK=1``,
-  names both).
+  ``if rank == 0: torch.save(state, path)``. Either call on rank 0 alone waits forever for the others;
+  in check mode (``DISTDL_CHECK=1``) it raises CollectiveTimeoutError naming the call instead.
 - Save state dicts, not modules: ``torch.save(model, path)`` (pickling the module) raises TypeError, since a
   partition holds an MPI communicator; build the model again where the state is loaded.
 
@@ -198,7 +196,7 @@ class CollectStateMixin:
                 found.append((f"parametrizations.{name}.{original}", p, layouts.get(name) or StateLayout(p.shape)))
         return found
 
-    def _collected_on(self, where: str) -> MPIPartition:
+    def _collected_on(self, where: str, prefix: str) -> MPIPartition:
         """Return the partition the state is collected from; ValueError (on every worker) where it was made from a
         sub-grid, which is each worker's own and unknown outside its parent: rank 0 of the root could not know
         whose state to take, and sub-grids holding copies of the layer would each hand theirs over."""
@@ -208,6 +206,9 @@ class CollectStateMixin:
                              f"{type(self).__name__}'s was made by create_subpartition (each worker's own sub-grid); "
                              "build it with create_partition_inclusive and create_cartesian_topology_partition, or "
                              "use collect_state=False")
+        # The call is collective over the root partition: in check mode, a worker that skipped it (rank 0 saving
+        # alone) is named here, before the exchange below would wait for it forever.
+        verify(where, P._root, agree={"prefix": prefix})
         # Every worker's layer object must be the same layer: a partition chosen per worker (each data-parallel
         # replica's own stage) sent the state to one of the holders only, and the others waited for it forever.
         seen = P._root.allgather((P.root_ranks, P.shape))
@@ -259,8 +260,7 @@ class CollectStateMixin:
         if not self.collect_state:
             return
         check_unparametrized("state_dict", self)
-        P, tensors = self._collected_on("state_dict"), self._state_tensors()
-        verify("state_dict", P, agree={"prefix": prefix})  # check mode: a member that skipped the call is named
+        P, tensors = self._collected_on("state_dict", prefix), self._state_tensors()
         split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
         pieces = None
         if P.active and split:
@@ -297,7 +297,7 @@ class CollectStateMixin:
                     hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
                 self._load_state_dict_pre_hooks = {}
                 check_unparametrized("load_state_dict", self)
-                P = self._collected_on("load_state_dict")
+                P = self._collected_on("load_state_dict", prefix)
                 self._receive_state(state_dict, prefix)
                 self._distribute_state(state_dict, prefix, error_msgs, missing_keys if strict else None)
             for name in self._held_elsewhere():  # not unexpected here: after _receive_state, which may send it on
@@ -349,7 +349,6 @@ class CollectStateMixin:
             for name, (t, _) in tensors.items():
                 state_dict[prefix + name] = t.detach()
             return
-        verify("load_state_dict", P, agree={"prefix": prefix})  # check mode: rank 0 alone would return (eager sends)
         replicated = {name for name, (_, layout) in tensors.items() if layout.replicated}
         checked = summary = None
         if P.rank == 0:  # rank 0 decides for everyone: ("ok", value), ("missing", None) or ("error", message)
