@@ -130,9 +130,10 @@ def test_inactive_workers_and_zero_volume(P_world, comm):
         elif P_x.active:
             assert y.shape == (sent[0], 0)
         else:
-            assert y.shape == placeholder  # idle workers get their placeholder's shape back
-    y = Broadcast(P_x, P_y, preserve_batch=False)(torch.ones(4, 3) if P_x.active else torch.zeros(0))
-    assert y.shape == ((4, 3) if P_y.active else (0,))
+            assert y.shape == placeholder  # (b, 0) keeps its batch; (0,) carries none
+    for placeholder in ((0,), (4, 0)):  # in neither partition: (4, 0) came back as is
+        y = Broadcast(P_x, P_y, preserve_batch=False)(torch.ones(4, 3) if P_x.active else torch.zeros(placeholder))
+        assert y.shape == ((4, 3) if P_y.active else (0,))
     if not P_x.active:
         with pytest.raises(ValueError, match=rf"broadcast: worker {comm.rank} is outside P_x and expected a "
                                              r"zero-volume tensor, got shape \(3,\)"):

@@ -82,9 +82,13 @@ def test_inactive_workers_and_zero_volume(P_world, comm):
     for sent, placeholder in [((0, 5), (0,)), ((4, 0), (4, 0))]:  # empty global tensors sum like any other
         y = layer(torch.zeros(sent if P_x.active else placeholder))
         assert y.shape == (sent if P_y.active else (sent[0], 0) if P_x.active else placeholder)
-    x = torch.full((2, 3), 1.0 + comm.rank) if P_x.active else torch.zeros(0)
-    y = SumReduce(P_x, P_y, preserve_batch=False)(x)
-    assert torch.equal(y, torch.full((2, 3), 3.0)) if P_y.active else y.shape == (0,)
+    for placeholder in ((0,), (4, 0)):  # in neither partition: (4, 0) came back as is
+        x = torch.full((2, 3), 1.0 + comm.rank) if P_x.active else torch.zeros(placeholder)
+        y = SumReduce(P_x, P_y, preserve_batch=False)(x)
+        if P_y.active:
+            assert torch.equal(y, torch.full((2, 3), 3.0))
+        else:
+            assert y.shape == (0,)
     if not P_x.active:
         with pytest.raises(ValueError, match=rf"sum_reduce: worker {comm.rank} is outside P_x and expected a "
                                              r"zero-volume tensor, got shape \(3,\)"):

@@ -57,9 +57,16 @@ def resolve_axes(where: str, P: MPIPartition, axes: Iterable[int] | None, axes_k
 
 
 def zero_volume_like(x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
-    """Return the zero-volume output of a worker with nothing to receive."""
-    b = x.shape[0] if preserve_batch and x.dim() > 0 else None
+    """Return the zero-volume output of a worker with nothing to receive: ``(b, 0)`` for ``x`` of first extent
+    ``b``, or ``(0,)`` without ``preserve_batch`` and for a ``(0,)`` placeholder (which carries no batch)."""
+    b = x.shape[0] if preserve_batch and x.dim() > 0 and x.shape != (0,) else None
     return zero_volume_tensor(b, dtype=x.dtype, device=x.device)
+
+
+def idle_in_graph(x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
+    """Return :func:`zero_volume_like` for the zero-volume input ``x`` of a worker outside both partitions of a
+    primitive, as a new tensor computed from ``x`` (backward runs here too)."""
+    return in_graph(x).reshape(zero_volume_like(x, preserve_batch).shape).clone()
 
 
 def in_graph(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (begin_backward, check_flags, check_idle_input, check_partition, check_tensor,
-                                       grad_like, header_of, in_graph, receiving_in_graph, save_anchor,
+                                       grad_like, header_of, idle_in_graph, receiving_in_graph, save_anchor,
                                        zero_volume_like)
 from distdl.functional._messages import (decode, empty_message, encode_message, inline, inline_payload)
 from distdl.functional.repartition import union
@@ -77,7 +77,7 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (plan.P_send.active or plan.P_recv.active):
-        return in_graph(x).clone()  # backward runs here too
+        return idle_in_graph(x, preserve_batch)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _broadcast(x, bool(preserve_batch), plan)
     return _Broadcast.apply(receiving_in_graph(x), plan, P_x, bool(preserve_batch))

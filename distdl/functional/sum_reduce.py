@@ -32,7 +32,7 @@ from mpi4py import MPI
 from distdl.backends import mpi as transport
 from distdl.backends.cuda import host_staged
 from distdl.functional._common import (HEADER_LENGTH, begin_backward, check_idle_input, check_tensor, grad_like,
-                                       header_of, in_graph, receiving_in_graph, save_anchor, zero_volume_like)
+                                       header_of, idle_in_graph, receiving_in_graph, save_anchor, zero_volume_like)
 from distdl.functional._messages import (carries_payload, decode, empty_message, encode_message, message_length,
                                          remembered, sum_payloads)
 from distdl.functional.broadcast import _broadcast, broadcast, broadcast_plan, groups
@@ -77,7 +77,7 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, union(P_x, P_y) or P_x, agree=())
     if not (plan.P_send.active or plan.P_recv.active):
-        return in_graph(x).clone()  # backward runs here too
+        return idle_in_graph(x, preserve_batch)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _sum_reduce(x, bool(preserve_batch), plan.P_recv, plan.P_send, plan.blocking)
     return _SumReduce.apply(receiving_in_graph(x), plan, P_y, bool(preserve_batch))
