@@ -107,6 +107,29 @@ def test_linear_with_receive_only_output_worker(P_world, comm):
         assert layer.weight.grad is not None
 
 
+@sizes(4)
+def test_autograd_grad_requesting_placeholders(P_world, comm):
+    """torch.autograd.grad as docs/concepts.md advises: every worker requests the parameters and the input, with
+    placeholders made to require grad. Workers 2 and 3 receive x's blocks on P_w only; requesting parameters alone
+    there skipped the adjoint that sends their part of x's gradient, and workers 0 and 1 waited for it."""
+    def part(ranks, shape):
+        return P_world.create_partition_inclusive(ranks).create_cartesian_topology_partition(shape)
+    P_x, P_w, P_y = part([0, 1], [1, 2]), part([0, 1, 2, 3], [2, 2]), part([2, 3], [1, 2])
+    layer = DistributedLinear(P_x, P_y, P_w, 5, 4).double()
+    x = (random_tensor((3, 3 - P_x.rank), seed=P_x.rank) if P_x.active
+         else zero_volume_tensor(dtype=torch.float64)).requires_grad_()
+    y = layer(x)
+    dy = random_tensor(y.shape, seed=10 + comm.rank)
+    params = list(layer.parameters())
+    grads = torch.autograd.grad(y, [x, *params], dy, allow_unused=True)
+    layer(x).backward(dy)  # the same gradients by backward(), compared with sequential torch in test_linear
+    for got, t in zip(grads, [x, *params]):
+        if t.grad is None:
+            assert got is None or got.numel() == 0, comm.rank
+        else:
+            torch.testing.assert_close(got, t.grad, rtol=1e-13, atol=1e-13, msg=str(comm.rank))
+
+
 def _primitives(P_world, n):
     P = P_world.create_cartesian_topology_partition([n, 1])
     P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1])
