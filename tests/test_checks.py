@@ -312,6 +312,21 @@ def test_state_calls_on_rank_0_alone_time_out_naming_them(P_world, comm, monkeyp
 
 
 @sizes(2, 3)
+def test_two_models_saved_in_different_orders_are_named(P_world, comm):
+    """Rank 0 saves (or loads) model A then B, the others B then A: the calls paired A's layer with B's, which mixed
+    their states silently or raised on some ranks only (a raw torch error)."""
+    from distdl.nn import DistributedLayerNorm
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    A, B = DistributedLayerNorm(P, 4, collect_state=True), DistributedLayerNorm(P, 6, collect_state=True)
+    first = A if comm.rank == 0 else B
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        first.state_dict()
+    assert str(info.value).startswith("state_dict: ranks disagree on state: "), str(info.value)
+    with checking(), pytest.raises(CollectiveMismatchError, match="^load_state_dict: ranks disagree on state: "):
+        first.load_state_dict(torch.nn.LayerNorm(4 if comm.rank == 0 else 6).state_dict())
+
+
+@sizes(2, 3)
 def test_a_call_skipped_before_a_call_on_another_communicator_times_out(P_world, comm, monkeypatch):
     """The last rank skips a call on A and goes on to one on B, where its peers never come (they wait on A): the
     sequence numbers, counted per communicator, cannot pair them up; past DISTDL_CHECK_TIMEOUT each raises,

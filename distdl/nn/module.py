@@ -207,8 +207,13 @@ class CollectStateMixin:
                              "build it with create_partition_inclusive and create_cartesian_topology_partition, or "
                              "use collect_state=False")
         # The call is collective over the root partition: in check mode, a worker that skipped it (rank 0 saving
-        # alone) is named here, before the exchange below would wait for it forever.
-        verify(where, P._root, agree={"prefix": prefix})
+        # alone) is named here, before the exchange below would wait for it forever, and so is a worker calling it
+        # on another layer (two models saved in different orders): by type, partition and split tensors' layouts (the
+        # same on every worker, unlike the tensors held, which are empty outside the partition or held by some).
+        layouts = tuple((name, layout.global_shape, layout.axes, layout.first)
+                        for name, layout in sorted(self._layouts().items()))
+        verify(where, P._root, agree={"prefix": prefix, "layer": type(self).__name__,
+                                      "partition": (P.root_ranks, P.shape), "state": layouts})
         # Every worker's layer object must be the same layer: a partition chosen per worker (each data-parallel
         # replica's own stage) sent the state to one of the holders only, and the others waited for it forever.
         seen = P._root.allgather((P.root_ranks, P.shape))
@@ -217,7 +222,8 @@ class CollectStateMixin:
             raise ValueError(f"{where}: collect_state needs {type(self).__name__} on the same partition on every "
                              f"worker, got workers {list(seen[0][0])} of shape {seen[0][1]} on worker 0 and "
                              f"{list(seen[other][0])} of shape {seen[other][1]} on worker {other} (a partition chosen "
-                             "per worker, as a data-parallel replica's own stage); use collect_state=False there")
+                             "per worker, as a data-parallel replica's own stage: use collect_state=False there; or "
+                             "models saved or loaded in different orders on different workers)")
         return P
 
     def _held_elsewhere(self) -> set[str]:
