@@ -25,7 +25,9 @@ A layer that mixes in :class:`CollectStateMixin` and is built with ``collect_sta
   (each worker's own sub-grid) raises ValueError on every worker; use ``collect_state=False`` there.
 - Call both on every worker: ``state = model.state_dict()`` everywhere, then
   ``if rank == 0: torch.save(state, path)``. Either call on rank 0 alone waits forever for the others;
-  in check mode (``DISTDL_CHECK=1``) it raises CollectiveTimeoutError naming the call instead.
+  in check mode (``DISTDL_CHECK=1``) it raises CollectiveTimeoutError naming the call instead. Make the calls
+  of several models in the same order on every worker: check mode names layers of another type, partition or
+  split layout paired up, but two models of the same architecture would exchange their states silently.
 - Save state dicts, not modules: ``torch.save(model, path)`` (pickling the module) raises TypeError, since a
   partition holds an MPI communicator; build the model again where the state is loaded.
 
