@@ -15,7 +15,7 @@ from distdl import functional as F
 from distdl.functional import all_sum_reduce, broadcast, repartition, sum_reduce
 from distdl.nn import (DistributedBatchNorm, DistributedLinear, DistributedLinearAllGather,
                        DistributedLinearReduceScatter)
-from distdl.testing import random_tensor
+from distdl.testing import random_tensor, scatter
 from distdl.utilities.torch import zero_volume_tensor
 from helpers import sizes
 
@@ -107,17 +107,20 @@ def test_linear_with_receive_only_output_worker(P_world, comm):
         assert layer.weight.grad is not None
 
 
-@sizes(4)
+@sizes(3, 4)
 def test_autograd_grad_requesting_placeholders(P_world, comm):
-    """torch.autograd.grad as docs/concepts.md advises: every worker requests the parameters and the input, with
-    placeholders made to require grad. Workers 2 and 3 receive x's blocks on P_w only; requesting parameters alone
-    there skipped the adjoint that sends their part of x's gradient, and workers 0 and 1 waited for it."""
+    """torch.autograd.grad as docs/concepts.md advises: every worker requests the parameters and the input, made to
+    require grad everywhere. At 4 workers, 2 and 3 receive x's blocks on P_w only; at 3, worker 0 of P_x and P_y
+    holds no parameter and sends dy on to P_w. Requesting parameters alone there skipped those adjoints, and the
+    others waited for them."""
     def part(ranks, shape):
         return P_world.create_partition_inclusive(ranks).create_cartesian_topology_partition(shape)
-    P_x, P_w, P_y = part([0, 1], [1, 2]), part([0, 1, 2, 3], [2, 2]), part([2, 3], [1, 2])
+    if comm.size == 4:
+        P_x, P_w, P_y = part([0, 1], [1, 2]), part([0, 1, 2, 3], [2, 2]), part([2, 3], [1, 2])
+    else:
+        P_x, P_w, P_y = part([0], [1, 1]), part([1, 2], [2, 1]), part([0, 1], [1, 2])
     layer = DistributedLinear(P_x, P_y, P_w, 5, 4).double()
-    x = (random_tensor((3, 3 - P_x.rank), seed=P_x.rank) if P_x.active
-         else zero_volume_tensor(dtype=torch.float64)).requires_grad_()
+    x = scatter(random_tensor((3, 5), seed=1), P_x).requires_grad_()  # (0,) placeholders outside P_x
     y = layer(x)
     dy = random_tensor(y.shape, seed=10 + comm.rank)
     params = list(layer.parameters())
