@@ -315,7 +315,7 @@ def test_state_calls_on_rank_0_alone_time_out_naming_them(P_world, comm, monkeyp
 def test_two_models_saved_in_different_orders_are_named(P_world, comm):
     """Rank 0 saves (or loads) model A then B, the others B then A: the calls paired A's layer with B's, which mixed
     their states silently or raised on some ranks only (a raw torch error)."""
-    from distdl.nn import DistributedLayerNorm
+    from distdl.nn import DistributedLayerNorm, DistributedLinear
     P = P_world.create_cartesian_topology_partition((comm.size,))
     A, B = DistributedLayerNorm(P, 4, collect_state=True), DistributedLayerNorm(P, 6, collect_state=True)
     first = A if comm.rank == 0 else B
@@ -324,6 +324,17 @@ def test_two_models_saved_in_different_orders_are_named(P_world, comm):
     assert str(info.value).startswith("state_dict: ranks disagree on state: "), str(info.value)
     with checking(), pytest.raises(CollectiveMismatchError, match="^load_state_dict: ranks disagree on state: "):
         first.load_state_dict(torch.nn.LayerNorm(4 if comm.rank == 0 else 6).state_dict())
+    # Not a mismatch: a bias pruned where it is held (column 0 of P_w), which adds names there only.
+    from torch.nn.utils import prune
+    P_w = P_world.create_cartesian_topology_partition((1, comm.size))
+    layer = DistributedLinear(P_w, P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1)),
+                              P_w, 4, 3, collect_state=True)
+    if layer.bias is not None:
+        prune.l1_unstructured(layer, "bias", amount=0.5)
+    with checking():
+        state = layer.state_dict()
+        layer.load_state_dict(state)
+    assert sorted(state) == (["bias_mask", "bias_orig", "weight"] if comm.rank == 0 else []), (comm.rank, list(state))
 
 
 @sizes(2, 3)

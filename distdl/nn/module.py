@@ -210,10 +210,11 @@ class CollectStateMixin:
                              "use collect_state=False")
         # The call is collective over the root partition: in check mode, a worker that skipped it (rank 0 saving
         # alone) is named here, before the exchange below would wait for it forever, and so is a worker calling it
-        # on another layer (two models saved in different orders): by type, partition and split tensors' layouts (the
-        # same on every worker, unlike the tensors held, which are empty outside the partition or held by some).
+        # on another layer (two models saved in different orders): by type, partition and split tensors' layouts as
+        # the layer declares them (the same on every worker, unlike the tensors held, which are empty outside the
+        # partition or held by some, and unlike the names pruning adds, on the workers holding a bias only).
         layouts = tuple((name, layout.global_shape, layout.axes, layout.first)
-                        for name, layout in sorted(self._layouts().items()))
+                        for name, layout in sorted(self._state_layouts().items()))
         verify(where, P._root, agree={"prefix": prefix, "layer": type(self).__name__,
                                       "partition": (P.root_ranks, P.shape), "state": layouts})
         # Every worker's layer object must be the same layer: a partition chosen per worker (each data-parallel
