@@ -213,10 +213,11 @@ class CollectStateMixin:
         # on another layer (two models saved in different orders): by type, partition and split tensors' layouts as
         # the layer declares them (the same on every worker, unlike the tensors held, which are empty outside the
         # partition or held by some, and unlike the names pruning adds, on the workers holding a bias only).
-        layouts = tuple((name, layout.global_shape, layout.axes, layout.first)
-                        for name, layout in sorted(self._state_layouts().items()))
-        verify(where, P._root, agree={"prefix": prefix, "layer": type(self).__name__,
-                                      "partition": (P.root_ranks, P.shape), "state": layouts})
+        if check_mode():
+            layouts = tuple((name, layout.global_shape, layout.axes, layout.first)
+                            for name, layout in sorted(self._state_layouts().items()))
+            verify(where, P._root, agree={"prefix": prefix, "layer": type(self).__name__,
+                                          "partition": (P.root_ranks, P.shape), "state": layouts})
         # Every worker's layer object must be the same layer: a partition chosen per worker (each data-parallel
         # replica's own stage) sent the state to one of the holders only, and the others waited for it forever.
         seen = P._root.allgather((P.root_ranks, P.shape))
