@@ -132,6 +132,29 @@ def test_empty_blocks_and_frozen_parameters_in_backward(P_world, comm):
         assert grad is None if comm.rank == 1 else torch.allclose(grad, parameter.grad, rtol=1e-10, atol=1e-10)
 
 
+@sizes(2, 3)
+def test_a_block_of_another_dtype_on_one_worker(P_world, comm):
+    """A float32 block on worker 1 under a float64 layer: the backward's sums are taken in float64 on every worker,
+    as the forward's statistics are (they were summed as each worker's own dtype: mismatched bytes, silently wrong
+    gradients of 1e9 and more)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))
+    x_shape = (2 * comm.size + 1, 3, 4)
+    layer, ref = _pair(P_x, x_shape)
+    x = (random_tensor(x_shape, seed=5) * 2 + 3).float().double()  # values a float32 block holds exactly
+    dy = random_tensor(x_shape, seed=6).float().double()
+    dtype = torch.float32 if comm.rank == 1 else torch.float64
+    x_local = scatter(x, P_x).to(dtype).requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    y = layer(x_local)
+    assert y.dtype == dtype
+    y.backward(scatter(dy, P_x).to(dtype))
+    ref(x_ref).backward(dy)
+    tol = 1e-5
+    torch.testing.assert_close(x_local.grad.double(), scatter(x_ref.grad, P_x), rtol=tol, atol=tol)
+    for name, parameter in ref.named_parameters():
+        torch.testing.assert_close(getattr(layer, name).grad, parameter.grad, rtol=tol, atol=tol)
+
+
 @sizes(1, 2)
 def test_double_backward_raises(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((comm.size, 1, 1))

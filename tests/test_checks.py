@@ -441,7 +441,7 @@ def test_copies_of_parameters_that_differ_are_named(P_world, comm):
     which held the only copy there) gave silently wrong results; check mode names it at the next forward, for a
     layer's copies over its partition and for DataParallel's over its workers."""
     from distdl.nn import (DataParallel, DistributedBatchNorm, DistributedFeatureConv1d, DistributedGeneralConv1d,
-                           DistributedLinearAllGather)
+                           DistributedLayerNorm, DistributedLinearAllGather)
     P = P_world.create_cartesian_topology_partition((1, 1, comm.size))
     P_2d = P_world.create_cartesian_topology_partition((comm.size, 1))
     from torch.nn.utils.parametrizations import weight_norm
@@ -452,19 +452,34 @@ def test_copies_of_parameters_that_differ_are_named(P_world, comm):
               (DistributedGeneralConv1d(P, P, P, 2, 3, 3, padding=1), "bias", (1, 2, 4)),
               # with a parametrization the parameters are its originals
               (weight_norm(DistributedFeatureConv1d(P, 2, 3, 3, padding=1)), "parametrizations.weight.original1",
-               (1, 2, 4))]
+               (1, 2, 4)),
+              # buffers too: running statistics loaded on rank 0 alone (collect_state=False), no parameters
+              (DistributedBatchNorm(P, 2, affine=False).eval(), "running_mean", (2, 2, 4))]
     for layer, name, shape in layers:
         x = random_tensor(shape, seed=comm.rank, dtype=torch.float32)
         with checking():
             layer(x)  # equal copies pass
             if comm.rank == 0:
                 with torch.no_grad():
-                    layer.get_parameter(name).add_(1)
+                    (layer.get_parameter(name) if "running" not in name else layer.get_buffer(name)).add_(1)
             with pytest.raises(CollectiveMismatchError) as info:
                 layer(x)
-        where = f"{type(layer).__name__} (copies of its parameters)"
+        where = f"{type(layer).__name__} (copies of its parameters and buffers)"
         assert str(info.value).startswith(f"{where}: ranks disagree on the values of {name} (checksum): ")
         assert "rank 0 has" in str(info.value)
+    # settings no collective checks: a norm's epsilon or momentum, batch norm's mode (batch or running statistics)
+    for layer, change, fact in ((DistributedBatchNorm(P, 2), lambda m: m.eval(), "training"),
+                                (DistributedBatchNorm(P, 2), lambda m: setattr(m, "momentum", 0.5), "momentum"),
+                                (DistributedLayerNorm(P_2d, (4,)), lambda m: setattr(m, "eps", 1e-3), "eps")):
+        x = random_tensor((2, 2, 4) if isinstance(layer, DistributedBatchNorm) else (2, 4), seed=comm.rank,
+                          dtype=torch.float32)
+        with checking():
+            layer(x)
+            if comm.rank == comm.size - 1:
+                change(layer)
+            with pytest.raises(CollectiveMismatchError, match=rf"{type(layer).__name__} \(settings\): ranks "
+                                                              rf"disagree on {fact}: "):
+                layer(x)
     model = DataParallel(torch.nn.Linear(3, 2), P_world)
     with checking():
         model(torch.ones(1, 3)).sum().backward()

@@ -166,7 +166,8 @@ class _BatchNorm(torch.autograd.Function):
         # Whether to sum is decided alike on every worker (not by this worker's requires_grad: a worker whose
         # copies of the parameters are frozen still takes part in the others' sum)
         if ctx.count is not None or ctx.weight_dtype is not None:
-            sums = all_sum_reduce(_sums(dy, x, mean, invstd), ctx.P_x, axes_reduce=ctx.axes)
+            # in float64, as the forward's statistics: a worker whose block has another dtype sums the same bytes
+            sums = all_sum_reduce(_sums(dy, x, mean, invstd).double(), ctx.P_x, axes_reduce=ctx.axes).to(mean.dtype)
             if ctx.weight_dtype is not None:
                 grad_weight, grad_bias = sums.to(ctx.weight_dtype)
                 grad_weight = grad_weight if ctx.needs_input_grad[1] else None
@@ -243,6 +244,12 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
             self.weight.fill_(1)
         if self.bias is not None:
             self.bias.zero_()
+
+    def _replicated_settings(self) -> dict[str, object]:
+        settings = {"eps": self.eps, "momentum": self.momentum}
+        if self.running_mean is not None or self.running_var is not None:  # else batch statistics in either mode
+            settings["training"] = self.training
+        return settings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the normalised block of ``x``; zero-volume outside ``P_x``."""

@@ -92,6 +92,9 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         layout = StateLayout(self.normalized_shape, self.axes)
         return {"weight": layout, "bias": layout}
 
+    def _replicated_settings(self) -> dict[str, object]:
+        return {"eps": self.eps}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return the normalised block of ``x``; zero-volume outside ``P_x``."""
         name = type(self).__name__

@@ -241,29 +241,41 @@ class CollectStateMixin:
                                           if k not in self._non_persistent_buffers_set}}
         return {name: (t, layouts.get(name) or StateLayout(t.shape)) for name, t in tensors.items() if t is not None}
 
+    def _replicated_settings(self) -> dict[str, object]:
+        """Return the settings every worker of the partition must share that no collective of the layer checks (a
+        norm's epsilon, its training mode): check mode compares them at each forward."""
+        return {}
+
     def _verify_replicas(self, where: str) -> None:
-        """In check mode, verify that the workers holding copies of a parameter hold equal ones.
+        """In check mode, verify that the workers holding copies of a parameter or buffer hold equal ones, and that
+        every worker of the partition has the same :meth:`_replicated_settings`.
 
         Every worker of the layer's partition holds a copy of its replicated parameters (a feature
-        convolution's kernel, a norm's affine parameters, the blocks of a tensor-parallel layer along its
-        other axes). A parameter changed on some workers only (initialised again under ``if rank == 0``, as
-        DistDL's examples do where a root held the only copy) leaves the copies apart and the results wrong.
+        convolution's kernel, a norm's affine parameters and running statistics, the blocks of a tensor-parallel
+        layer along its other axes). A copy changed on some workers only (initialised again, or a state dict
+        loaded, under ``if rank == 0``, as DistDL's examples do where a root held the only copy) leaves the copies
+        apart and the results wrong.
         """
         if not check_mode():
             return
         P = self._state_partition()
         if not P.active:
             return
+        if settings := self._replicated_settings():
+            verify(f"{where} (settings)", P, agree=settings)
 
         def copied(layout: StateLayout) -> tuple[int, ...]:  # the axes along which workers hold copies of a block
             return tuple(a for a in range(P.dim) if a not in layout.axes + layout.first and P.shape[a] > 1)
         # the fibres of every declared layout, held here or not, so that every worker builds the same ones
-        sums = {axes: {} for layout in self._layouts().values() if (axes := copied(layout))}
-        for name, t, layout in self._parameter_layouts():
+        layouts = self._layouts()
+        sums = {axes: {} for layout in layouts.values() if (axes := copied(layout))}
+        buffers = [(name, t, layouts.get(name) or StateLayout(t.shape)) for name, t in self._buffers.items()
+                   if t is not None and name not in self._non_persistent_buffers_set]
+        for name, t, layout in self._parameter_layouts() + buffers:
             if axes := copied(layout):
                 sums.setdefault(axes, {})[f"the values of {name} (checksum)"] = checksum([t])
         for axes in sorted(sums):
-            verify(f"{where} (copies of its parameters)", fibre(P, axes), agree=sums[axes])
+            verify(f"{where} (copies of its parameters and buffers)", fibre(P, axes), agree=sums[axes])
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
