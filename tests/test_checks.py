@@ -407,6 +407,10 @@ def test_layers_built_differently_are_named(P_world, comm):
     with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedMaxPool1d: ranks disagree on "
                                                                   r"geometry: "):
         DistributedMaxPool1d(P, 4 if last else 2)(x)
+    for option in ({"count_include_pad": False}, {"divisor_override": 3}):  # the average's own options too
+        with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedAvgPool1d: ranks disagree on "
+                                                                      r"geometry: "):
+            DistributedAvgPool1d(P, 3, 1, 1, **(option if last else {}))(x)
     with checking(), pytest.raises(CollectiveMismatchError) as info:
         (DistributedAvgPool1d if last else DistributedMaxPool1d)(P, 2)(x)
     groups = {"DistributedMaxPool1d": list(range(comm.size - 1)), "DistributedAvgPool1d": [comm.size - 1]}

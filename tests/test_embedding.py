@@ -121,9 +121,10 @@ def test_initialisation(P_world, comm):
 def test_errors(P_world, comm):
     P_x = P_world.create_cartesian_topology_partition((1, comm.size))
     name = "DistributedEmbedding"
-    for option, value in (("max_norm", 1.0), ("norm_type", 1.0), ("scale_grad_by_freq", True), ("sparse", True)):
+    for option, value in (("max_norm", 1.0), ("scale_grad_by_freq", True), ("sparse", True)):
         with pytest.raises(ValueError, match=rf"{name}: expected {option}=.* \(not supported\), got {value}"):
             DistributedEmbedding(P_x, 5, 3, **{option: value})
+    DistributedEmbedding(P_x, 5, 3, norm_type=1.0)  # read only with max_norm, as torch takes it (it raised)
     for bad in (5, True, 1.0):
         with pytest.raises(ValueError, match=rf"{name}: expected an integer padding_idx in \[-5, 5\), got {bad}"):
             DistributedEmbedding(P_x, 5, 3, padding_idx=bad)

@@ -121,6 +121,47 @@ def test_cross_entropy_matches_torch(P_world, comm):
         _check(P_x, distributed, sequential, x, probabilities, comm)
 
 
+@sizes(1, 2, 3, 4)
+def test_cross_entropy_weight_that_requires_grad(P_world, comm):
+    """With class-probability targets torch differentiates the class weight: the replicated weight's gradient is
+    the total over P_x on every member (each held its own rows' share), with workers whose block is empty."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    shape = (comm.size + 1, 4) if comm.size < 3 else (comm.size - 1, 4)  # uneven, or the last block empty
+    x = random_tensor(shape, seed=1)
+    t = F.softmax(random_tensor(shape, seed=2), dim=1)
+    for reduction in ("mean", "sum", "none"):
+        weight = (random_tensor((4,), seed=3).abs() + 0.5).requires_grad_()
+        ours = weight.detach().clone().requires_grad_()
+        expected = F.cross_entropy(x, t, weight=weight, reduction=reduction, label_smoothing=0.1)
+        y = losses.DistributedCrossEntropyLoss(P_x, weight=ours, reduction=reduction, label_smoothing=0.1)(
+            scatter(x, P_x), scatter(t, P_x))
+        if reduction == "none":
+            dy = random_tensor(expected.shape, seed=4)
+            expected.backward(dy)
+            y.backward(scatter(dy.unsqueeze(1), P_x).squeeze(1))
+        else:
+            expected.backward()
+            y.backward()
+        torch.testing.assert_close(ours.grad, weight.grad, rtol=1e-12, atol=1e-12,
+                                   msg=lambda m: f"{reduction}: weight gradient differs on rank {comm.rank}: {m}")
+
+
+@sizes(2, 3)
+def test_hessian_of_a_mean_over_uneven_blocks(P_world, comm):
+    """torch.autograd.functional.hessian backwards once per element of each worker's own gradient: the mean's
+    count joined the graph, so each of those ran an all-sum, as many as the worker's block has elements (a hang)."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size,))
+    x, t = random_tensor((2 * comm.size - 1,), seed=1), random_tensor((2 * comm.size - 1,), seed=2)
+    for loss, sequential, reduction in ((losses.DistributedMSELoss, F.mse_loss, "mean"),
+                                        (losses.DistributedKLDivLoss, F.kl_div, "batchmean")):
+        distributed = loss(P_x, reduction=reduction)
+        t_local = scatter(t, P_x)
+        hessian = torch.autograd.functional.hessian(lambda a: distributed(a, t_local), scatter(x, P_x))
+        expected = torch.autograd.functional.hessian(lambda a: sequential(a, t, reduction=reduction), x)
+        block = scatter(torch.arange(x.numel()), P_x)
+        torch.testing.assert_close(hessian, expected[block][:, block], rtol=1e-12, atol=1e-12)
+
+
 @sizes(1, 2, 3)
 def test_cross_entropy_with_nothing_counted(P_world, comm):
     """A mean over targets that all weigh 0 or are all ignored is torch's 0 / 0: nan, with the gradients torch
@@ -190,7 +231,8 @@ def test_workers_outside_get_the_members_dtype(P_world, comm):
 
 @sizes(2, 3)
 def test_check_mode_an_input_that_is_not_a_dense_tensor_on_one_worker(P_world, comm):
-    """A sparse input or a list on worker 1: in check mode every member raises (the others waited in the sum)."""
+    """A sparse input or a list on worker 1: in check mode every member raises (the others waited in the sum); so
+    does a class weight that requires grad on worker 1 alone (its backward alone would sum its gradient)."""
     from distdl.checks import CollectiveMismatchError, checking
     P_x = P_world.create_cartesian_topology_partition((comm.size,))
     x, t = random_tensor((3,), seed=comm.rank), random_tensor((3,), seed=comm.rank + 5)
@@ -201,6 +243,12 @@ def test_check_mode_an_input_that_is_not_a_dense_tensor_on_one_worker(P_world, c
             losses.DistributedMSELoss(P_x)(bad if comm.rank == 1 else x, t)
     with checking():
         assert losses.DistributedMSELoss(P_x)(x, t).shape == ()
+    x = random_tensor((2, 3), seed=comm.rank)
+    weight = torch.ones(3, dtype=torch.float64, requires_grad=comm.rank == 1)  # its sum in the backward: rank 1's
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedCrossEntropyLoss: ranks disagree on "
+                                                                  r"buffers requiring grad: "):
+        losses.DistributedCrossEntropyLoss(P_x, weight=weight)(x, F.softmax(x, dim=1))
 
 
 @sizes(2, 3)

@@ -159,6 +159,23 @@ def test_max_windows_wholly_in_the_padding(P_world, comm):
 
 
 @sizes(1, 2, 3, 4)
+def test_max_windows_of_minus_infinity_at_the_edge(P_world, comm):
+    """Inputs of -inf at the left edge (a masked_fill before the pool): torch sends a window's gradient to its
+    first element inside the input, whatever the worker count (the first worker's window held the padding as
+    -inf, which won the tie and dropped the gradient)."""
+    for P_shape, x_shape, kwargs in (((1, 1, comm.size), (2, 2, 2 * comm.size + 3), dict(kernel_size=3, stride=1)),
+                                     ((1, 1, comm.size, 1), (1, 2, 2 * comm.size + 1, 4), dict(kernel_size=3)),
+                                     ((1, 1, 1, comm.size), (1, 2, 4, 3 * comm.size), dict(kernel_size=(3, 5),
+                                                                                          stride=(1, 2)))):
+        P_x = P_world.create_cartesian_topology_partition(P_shape)
+        layer, ref = _layers("Max", len(P_shape) - 2, P_x, padding=1, **kwargs)
+        x = random_tensor(x_shape, seed=0)
+        split = P_shape.index(comm.size) if comm.size > 1 else len(P_shape) - 1
+        x.narrow(split, 0, 2).fill_(-torch.inf)  # the first two entries along the split dimension
+        assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=1)
+
+
+@sizes(1, 2, 3, 4)
 def test_windows_inside_the_blocks_exchange_nothing(P_world, comm, monkeypatch):
     """Pooling windows that lie in their workers' blocks (kernel == stride, aligned blocks) skip the exchange."""
     from distdl.nn import _windows

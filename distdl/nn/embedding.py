@@ -42,7 +42,8 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         P_x: the partition of the output (of the indices' dimension plus one).
         num_embeddings, embedding_dim: the GLOBAL table shape; ``padding_idx`` as torch's (its row starts
             at zero and gets no gradient).
-        max_norm, norm_type, scale_grad_by_freq, sparse: not supported (ValueError unless the defaults).
+        max_norm, scale_grad_by_freq, sparse: not supported (ValueError unless the defaults); ``norm_type``, read
+            only with ``max_norm``, is taken and unused.
         collect_state: save and load torch's state dict on rank 0 of ``P_x`` (see :mod:`distdl.nn.module`).
     Raises:
         ValueError: an unsupported option, a ``padding_idx`` out of range or negative sizes.
@@ -57,8 +58,9 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
         check_partition(name, "P_x", P_x)
         check_features(name, num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         (self.collect_state,) = check_flags(name, collect_state=collect_state)
-        unsupported = {"max_norm": (max_norm, None), "norm_type": (norm_type, 2.0),
-                       "scale_grad_by_freq": (scale_grad_by_freq, False), "sparse": (sparse, False)}
+        # norm_type is read only with max_norm (as torch takes it: code porting an inert one runs)
+        unsupported = {"max_norm": (max_norm, None), "scale_grad_by_freq": (scale_grad_by_freq, False),
+                       "sparse": (sparse, False)}
         for option, (value, default) in unsupported.items():
             if value != default:
                 raise ValueError(f"{name}: expected {option}={default!r} (not supported), got {value!r}")

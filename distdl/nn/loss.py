@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from distdl.checks import announce, verify
 from distdl.functional._common import check_idle_input, check_partition, check_tensor, idle_output, in_graph
 from distdl.functional.all_sum_reduce import fibre
-from distdl.functional.invariant import all_sum_reduce_forward
+from distdl.functional.invariant import all_sum_reduce_backward, all_sum_reduce_forward
 from distdl.nn._blocks import check_extents, extent_terms
 from distdl.nn.module import StateLayout
 from distdl.partition import MPIPartition
@@ -97,7 +97,8 @@ class _DistributedLoss(torch.nn.Module):
             self._check_block(name, input, target)
         # check mode: a loss made with another reduction elsewhere sums the same three numbers to another value,
         # or ('none') makes no collective
-        verify(name, self.P_x, agree={"reduction": self.reduction})
+        verify(name, self.P_x, agree={"reduction": self.reduction, "buffers requiring grad": sorted(
+            key for key, t in self._buffers.items() if t is not None and t.requires_grad)})
         if self.reduction == "none":
             return self._elementwise(input, target)
         # A worker whose block fails (of the wrong shape, a class index out of range, a probability outside
@@ -127,7 +128,9 @@ class _DistributedLoss(torch.nn.Module):
         if (total[3 + n:3 + 2 * n] != total[3 + n]).any():
             self._raise_kinds(name, total[3 + n:3 + 2 * n])
         check_extents(name, total[3 + 2 * n:], input.shape, self.P_x, self.axes)
-        loss = total[0] / {"mean": total[1], "batchmean": total[2], "sum": 1}[self.reduction]
+        # the counts are constants: in the graph, every backward of a double backward (a Hessian's, one per element
+        # of a worker's own gradient) ran an all-sum, as many as each worker's block has elements (a hang)
+        loss = total[0] / {"mean": total[1].detach(), "batchmean": total[2].detach(), "sum": 1}[self.reduction]
         if self.reduction == "mean":  # nothing counted: torch's 0 / 0 = nan, also where label smoothing added to
             loss = loss + torch.where(total[1] == 0, float("nan"), 0.0)  # the sum (inf); a constant: same gradients
         return loss.to(losses.dtype)
@@ -287,7 +290,10 @@ class DistributedCrossEntropyLoss(_DistributedLoss):
         return tuple(input.shape[:1] + input.shape[2:])
 
     def _elementwise(self, input, target):
-        return F.cross_entropy(input, target, weight=self.weight, ignore_index=self.ignore_index,
+        weight = self.weight
+        if weight is not None and weight.requires_grad and torch.is_grad_enabled():  # replicated: the gradient
+            weight = all_sum_reduce_backward(weight, self.P_x, axes_reduce=self.axes)  # is the total over P_x
+        return F.cross_entropy(input, target, weight=weight, ignore_index=self.ignore_index,
                                reduction="none", label_smoothing=self.label_smoothing)
 
     def _kind(self, input, target):

@@ -148,7 +148,7 @@ class CollectStateMixin:
       ``all_reduce_gradients`` take a distdl layer's parameters as summed already and leave them out of their
       reductions.
     - Call ``self._verify_replicas(name)`` at the start of ``forward`` to have check mode compare the copies of
-      replicated parameters.
+      replicated parameters and buffers, and the settings ``_replicated_settings()`` returns.
     """
 
     P_x: MPIPartition

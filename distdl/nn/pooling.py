@@ -5,10 +5,11 @@ Forward ``y_j = pool(W_j x)``, ``W_j`` the window exchange onto worker ``j``'s i
 balanced block of the global output reads (``window_exchange``; halos of any width; nothing where
 the windows lie in the blocks, as with ``stride == kernel_size`` and blocks a multiple of it) and
 pools it. The parts of the window outside the global tensor are torch's padding where the window has
-them on both sides, and part of the window elsewhere: max pooling fills those with the lowest value
-(``-inf``); average pooling sums the window and divides by torch's divisor for every output (padding
-counted or not, ``ceil_mode`` windows clipped), computed from the global geometry. The backward is
-autograd's through ``window_scatter_add``, the exchange's adjoint.
+them on both sides (max pooling: wherever it has them on the left, cropping the outputs the surplus on the
+right adds), and part of the window elsewhere: max pooling fills those with the lowest value (``-inf``);
+average pooling sums the window and divides by torch's divisor for every output (padding counted or not,
+``ceil_mode`` windows clipped), computed from the global geometry. The backward is autograd's through
+``window_scatter_add``, the exchange's adjoint.
 
 ============================  =====================================================================
 worker                        does
@@ -62,6 +63,10 @@ class _DistributedPoolNd(torch.nn.Module):
     """
 
     dims: int
+    # torch pads the left edge itself wherever a window holds some of it (the surplus on the right adds outputs,
+    # cropped): a max pool's padding of -inf inside the window won ties with inputs of -inf (torch's index starts
+    # at the first element inside the input), so a window of -inf at the edge sent its gradient nowhere
+    _pads_left = False
 
     def _setup(self, P_x: MPIPartition, kernel_size: Size, stride: Size | None, padding: Size, dilation: Size,
                ceil_mode: bool) -> None:
@@ -93,9 +98,15 @@ class _DistributedPoolNd(torch.nn.Module):
         _windows.check_input(name, x, self.P_x)
         if not self.P_x.active:
             return None, x.clone(), None
-        key = ("pool", self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode)
-        plan, window = _windows.fetch(name, x, self.P_x, key, None, self._length, self._source, self.stride)
+        key = ("pool", self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode) + self._options()
+        padded_stride = (float("inf"),) * self.dims if self._pads_left else self.stride
+        plan, window = _windows.fetch(name, x, self.P_x, key, None, self._length, self._source, padded_stride)
         return plan, window, tuple(b - a for a, b in plan.block)
+
+    def _options(self) -> tuple:
+        """Return the options besides the window's geometry that every worker must share (check mode compares
+        them with the geometry)."""
+        return ()
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
@@ -103,6 +114,7 @@ class _DistributedPoolNd(torch.nn.Module):
 
 
 class _DistributedMaxPoolNd(_DistributedPoolNd):
+    _pads_left = True
 
     def __init__(self, P_x: MPIPartition, kernel_size: Size, stride: Size | None = None, padding: Size = 0,
                  dilation: Size = 1, return_indices: bool = False, ceil_mode: bool = False) -> None:
@@ -138,9 +150,11 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
             window, padding = F.pad(window, [p for side in reversed(padding) for p in (side, side)],
                                     value=lowest), (0,) * self.dims
         if self.dims == 1:  # through the 2-d kernel, which also takes integer tensors (torch's 1-d one does not)
-            return F.max_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride,
-                                (0, *padding), (1,) + self.dilation).squeeze(-2)
-        return _MAX[self.dims](window, self.kernel_size, self.stride, padding, self.dilation)
+            y = F.max_pool2d(window.unsqueeze(-2), (1,) + self.kernel_size, (1,) + self.stride, (0, *padding),
+                             (1,) + self.dilation).squeeze(-2)
+        else:
+            y = _MAX[self.dims](window, self.kernel_size, self.stride, padding, self.dilation)
+        return y if y.shape[2:] == shape[2:] else y[(slice(None),) * 2 + tuple(slice(0, n) for n in shape[2:])]
 
 
 class _DistributedAvgPoolNd(_DistributedPoolNd):
@@ -166,6 +180,9 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
                 start, stop = np.maximum(start, 0), np.minimum(stop, n)
             divisor = divisor * np.maximum(stop - start, 1).reshape((-1,) + (1,) * (self.dims - 1 - k))
         return divisor
+
+    def _options(self) -> tuple:
+        return self.count_include_pad, self.divisor_override
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of the average pooling; zero-volume outside ``P_x``."""
