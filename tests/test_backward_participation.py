@@ -166,6 +166,14 @@ def test_inputs_made_in_inference_mode(P_world, comm):
         frozen = random_tensor((3, layer.weight.shape[1]), seed=comm.rank)
     layer(frozen).sum().backward()
     assert layer.weight.grad is not None
+    P = P_world.create_cartesian_topology_partition((1, comm.size))
+    for overlap in (False, True):  # without the ring, the reduce-scatter layer raised torch's error
+        for layer in (DistributedLinearAllGather(P, 8, 12, overlap=overlap),
+                      DistributedLinearReduceScatter(P, 8, 12, overlap=overlap)):
+            with torch.inference_mode():
+                frozen = random_tensor((5, layer.local_in_features), seed=comm.rank).float()
+            layer(frozen).sum().backward()
+            assert layer.weight.grad is not None
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's forward AD scripts functions with torch.jit

@@ -96,14 +96,25 @@ def test_sequence_disagreement(P_world, comm):
     assert str(info.value) == f"all_sum_reduce: ranks disagree on call number: {_clause(groups)}"
 
 
+def _ring(name, P):
+    """The tensor-parallel rings of distdl.nn (overlap=True) along axis 0 of ``P``, with a (2, 3) weight."""
+    from distdl.nn.linear_all_gather import all_gather_linear
+    from distdl.nn.linear_reduce_scatter import linear_reduce_scatter
+    ring = {"all_gather_linear": all_gather_linear, "linear_reduce_scatter": linear_reduce_scatter}[name]
+    weight = torch.rand(2, 3, requires_grad=True)
+    return lambda x: ring(x, weight, P, 0)
+
+
 @sizes(2, 3, 4)
-@pytest.mark.parametrize("skipped", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("skipped", ["all_gather", "reduce_scatter", "all_gather_linear", "linear_reduce_scatter"])
 def test_a_skipped_primitive_is_named_before_any_data_moves(P_world, comm, skipped):
     """Rank 0 skips a call its peers make and goes on to the next one: every rank raises, naming both, before
-    the skipped primitive's header round could pair with the next one's messages (MPI would abort)."""
+    the skipped primitive's header round could pair with the next one's messages (MPI would abort); the rings of
+    the tensor-parallel layers too (they paired silently, or hung)."""
     P = P_world.create_cartesian_topology_partition((comm.size, 1))
     call = {"all_gather": lambda x: distdl.functional.all_gather(x, P, axes_all_gather=(0,)),
-            "reduce_scatter": lambda x: distdl.functional.reduce_scatter(x, P, axes_reduce_scatter=(0,))}[skipped]
+            "reduce_scatter": lambda x: distdl.functional.reduce_scatter(x, P, axes_reduce_scatter=(0,))}.get(
+        skipped) or _ring(skipped, P)
     x = torch.rand(4, 3)
     with checking(), pytest.raises(CollectiveMismatchError) as info:
         if comm.rank != 0:
@@ -129,6 +140,24 @@ def test_a_skipped_backward_is_named(P_world, comm, op):
             else:
                 distdl.functional.all_sum_reduce(torch.rand(3), P, axes_reduce=(0,))
     groups = {f"{op} (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
+    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("ring", ["all_gather_linear", "linear_reduce_scatter"])
+def test_a_skipped_backward_of_a_ring_is_named(P_world, comm, ring):
+    """The adjoint of each ring is the other ring, recorded as the first's backward (rank 0's ran unchecked: each
+    rank raised another ValueError, from the headers of different calls)."""
+    P = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = torch.rand(4, 3, requires_grad=True)
+    with checking():
+        y = _ring(ring, P)(x)
+        with pytest.raises(CollectiveMismatchError) as info:
+            if comm.rank == 0:
+                y.backward(torch.rand(y.shape))
+            else:
+                distdl.functional.all_sum_reduce(torch.rand(3), P, axes_reduce=(0,))
+    groups = {f"{ring} (backward)": [0], "all_sum_reduce": list(range(1, comm.size))}
     assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
 
 

@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
+from distdl.checks import verify
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
                                        idle_output, in_graph)
 from distdl.functional.all_gather import all_gather, exchange_headers
@@ -159,6 +160,7 @@ def _all_gather_linear(where, x, weight, P_x, axis):
         raise ValueError(f"{where}: expected a tensor of {P_x.dim} dimensions to match P_x of shape {P_x.shape}, "
                          f"got shape {tuple(x.shape)}")
     P_fibre = fibre(P_x, (axis,))
+    verify(where, P_fibre, x, ("dim", "device"))  # check mode: a skipped call or backward is named, not paired
     shapes = [tuple(x.shape)]
     if P_fibre.size > 1:
         shapes = exchange_headers(where, P_fibre, encode_header(where, x))
@@ -220,13 +222,13 @@ class _AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y, grad_full):
-        from distdl.nn.linear_reduce_scatter import linear_reduce_scatter  # the rings refer to each other
+        from distdl.nn.linear_reduce_scatter import _linear_reduce_scatter  # the rings refer to each other
         weight, x_full = ctx.saved_tensors
         if grad_y is None:
             grad_y = weight.new_zeros(ctx.y_shape)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = linear_reduce_scatter(grad_y, weight.t(), ctx.P_x, ctx.axis)
+            grad_x = _linear_reduce_scatter("all_gather_linear (backward)", grad_y, weight.t(), ctx.P_x, ctx.axis)
             if grad_full is not None:
                 grad_x = grad_x + reduce_scatter(grad_full, ctx.P_x, axes_reduce_scatter=(ctx.axis,))
         if ctx.needs_input_grad[1]:

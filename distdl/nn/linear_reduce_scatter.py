@@ -31,6 +31,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
+from distdl.checks import verify
 from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, encode_header,
                                        idle_output, in_graph)
 from distdl.functional.all_gather import all_gather, exchange_headers
@@ -46,7 +47,6 @@ from distdl.utilities.torch import eager_when_compiled
 __all__ = ["DistributedLinearReduceScatter", "linear_reduce_scatter"]
 
 
-@eager_when_compiled
 def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartition, axis: int) -> torch.Tensor:
     """Return ``reduce_scatter(x @ weight.T, P_y, (axis,))``, computing each block as the previous one travels.
 
@@ -61,7 +61,12 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
             of the fibre, products of differing shapes or dtypes.
         TypeError: ``x`` and ``weight`` not of one floating dtype.
     """
-    where = "linear_reduce_scatter"
+    return _linear_reduce_scatter("linear_reduce_scatter", x, weight, P_y, axis)
+
+
+@eager_when_compiled
+def _linear_reduce_scatter(where, x, weight, P_y, axis):
+    """:func:`linear_reduce_scatter`, named ``where`` (``all_gather_linear (backward)`` in that ring's adjoint)."""
     check_operands(where, x, weight)
     for t in (x, weight):  # the ring's Function would drop a forward-mode tangent: refused, as by the primitives
         cuda.refuse_unsupported(where, t)
@@ -77,6 +82,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
     if cuda.needs_staging(x):  # the ring hands tensor memory to MPI: a staged tensor takes the plain collective
         return reduce_scatter(torch.nn.functional.linear(x, weight), P_y, axes_reduce_scatter=(axis,))
     P_fibre = fibre(P_y, (axis,))
+    verify(where, P_fibre, x, ("dim", "device"))  # check mode: a skipped call or backward is named, not paired
     if P_fibre.size > 1:
         product = torch.empty(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, device="meta")
         shapes = exchange_headers(where, P_fibre, encode_header(where, product))
@@ -132,7 +138,8 @@ class _LinearReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_full = None
         if ctx.needs_input_grad[0]:
-            grad_x, grad_full = _all_gather_linear("linear_reduce_scatter", grad_y, weight.t(), ctx.P_y, ctx.axis)
+            grad_x, grad_full = _all_gather_linear("linear_reduce_scatter (backward)", grad_y, weight.t(), ctx.P_y,
+                                                   ctx.axis)
         elif ctx.needs_input_grad[1]:
             grad_full = all_gather(grad_y, ctx.P_y, axes_all_gather=(ctx.axis,))
         if ctx.needs_input_grad[1]:
@@ -223,7 +230,8 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
         if self.overlap and not cuda.needs_staging(x):  # the ring hands device memory to MPI
             y = linear_reduce_scatter(x, weight, self.P_y, self.axis)
         else:
-            y = reduce_scatter(torch.nn.functional.linear(x, weight), self.P_y, axes_reduce_scatter=(self.axis,))
+            y = reduce_scatter(torch.nn.functional.linear(in_graph(x), weight), self.P_y,
+                               axes_reduce_scatter=(self.axis,))  # in_graph: an inference tensor, as the ring takes
         if self.bias is not None:
             y = y + replicated(self.bias, self.P_x, self.axes_bias).to(y.dtype)  # autocast: y's dtype, as torch
         return y
