@@ -355,3 +355,56 @@ def test_double_backward_through_layers_leaving_workers_out(P_world, comm, kind)
     if comm.rank == 0:
         for key, value in sequential.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-10, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("form", ["feature", "general", "channel", "max pool", "average pool"])
+@sizes(2, 3)
+def test_gradient_penalty_alone_through_windowed_layers_with_empty_blocks(P_world, comm, form):
+    """A penalty on the input gradient, backpropagated on its own (as a lazy R1 regulariser is), through a
+    convolution or pooling where a worker's block is empty (fewer pixels or output channels than workers): the
+    empty block's gradients refer to what torch's double backward refers to (the input and the weight), as the
+    others' do, so every worker runs the collectives behind them (they referred to less: the others waited
+    forever, or the empty worker raised torch's error)."""
+    from distdl.nn import DistributedAvgPool1d, DistributedMaxPool1d
+    from distdl.nn.conv import DistributedConv1d
+    n, c_out = comm.size, 3
+    if form == "channel":  # 1 output channel over 2 blocks: one worker's is empty (at 2 workers, outside P_x)
+        c_out, P_x, P_y, P_w = 1, (1, 1, 1), (1, 2, 1), (2, 1, 1)
+        x_shape = (1, 2, 5)
+    else:  # n - 1 pixels over n workers along the length
+        P_x = P_y = P_w = (1, 1, n)
+        c_out, x_shape = (c_out, (1, 2, n - 1)) if "pool" not in form else (2, (1, 2, n - 1))
+    P_x, P_y, P_w = (P_world.create_partition_inclusive(range(math.prod(s))).create_cartesian_topology_partition(s)
+                     for s in (P_x, P_y, P_w))
+    if "pool" in form:
+        kind = DistributedMaxPool1d if form == "max pool" else DistributedAvgPool1d
+        layer, reference = kind(P_x, 3, 1, 1), getattr(torch.nn, kind.__name__.removeprefix("Distributed"))(3, 1, 1)
+    else:
+        kwargs = dict(in_channels=2, out_channels=c_out, kernel_size=3, padding=1, dtype=torch.float64)
+        layer = DistributedConv1d(P_x, **kwargs) if form == "feature" else DistributedConv1d(P_x, P_y, P_w, **kwargs)
+        reference = torch.nn.Conv1d(**kwargs)
+        with torch.no_grad():
+            reference.weight.copy_(random_tensor(reference.weight.shape, seed=1))
+            reference.bias.copy_(random_tensor(reference.bias.shape, seed=2))
+            start = getattr(layer, "_start", (0, 0, 0))
+            block = tuple(slice(a, a + k) for a, k in zip(start, layer.weight.shape))
+            layer.weight.copy_(reference.weight[block])
+            if layer.bias is not None:  # None outside P_w
+                layer.bias.copy_(reference.bias[block[0]])
+    x, dy = random_tensor(x_shape, seed=3), random_tensor(x_shape[:1] + (c_out,) + x_shape[2:], seed=4)
+
+    def penalised(op, x, dy):  # requested with the parameters, as docs/concepts.md says (a worker outside P_x)
+        x = x.requires_grad_()
+        g = torch.autograd.grad(op(x), [x, *op.parameters()], dy, create_graph=True, allow_unused=True)[0]
+        (g ** 2).sum().backward()
+        return x.grad, getattr(op, "weight", None)
+
+    (grad, weight), (expected, expected_weight) = (
+        penalised(layer, scatter(x, P_x, preserve_batch=True),
+                  scatter(dy, P_y) if P_y.active else zero_volume_tensor(1, dtype=torch.float64)),
+        penalised(reference, x.clone(), dy))
+    if P_x.active:  # None from torch counts as zero: the convolution's input gradient does not depend on it
+        expected = scatter(torch.zeros_like(x) if expected is None else expected, P_x)
+        torch.testing.assert_close(torch.zeros_like(expected) if grad is None else grad, expected)
+    if weight is not None and P_w.active:
+        torch.testing.assert_close(weight.grad, expected_weight.grad[block], rtol=1e-10, atol=1e-12)

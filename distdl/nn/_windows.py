@@ -156,13 +156,18 @@ def fetch(where: str, x: torch.Tensor, P_x: MPIPartition, key: tuple, out_channe
         return plan, window_exchange(x, P_x, plan.x_shape, plan.windows)
 
 
-def connect(y: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
-    """Return ``y`` joined to ``tensors`` in the autograd graph (zero gradient), so that every worker's
-    backward takes part in the collectives behind them even where its output is empty."""
-    for t in tensors:
-        if t.requires_grad:
-            y = y + t.flatten()[:0].sum().to(y.dtype)
-    return y
+def connect(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+            reads_input: bool = True) -> torch.Tensor:
+    """Return the empty output ``y`` joined to the autograd graph as the layer's op joins a worker's output (zero
+    gradients), so that every worker's backward, and the second one of a gradient penalty, takes part in the
+    collectives behind ``x``, ``weight`` and ``bias`` even where its output is empty: the gradients refer to the
+    incoming gradient and, where torch's backward of the op reads them (convolution, pooling; not upsampling), to
+    the input and the parameters, as torch's double backward does (joined to each alone, an empty block's
+    gradients referred to less than its peers': a penalty's backward skipped collectives they ran, and they
+    waited)."""
+    terms = [t.flatten()[:0].sum() for t in (x, weight, bias) if t is not None]
+    total = sum(terms[1:], terms[0])
+    return y + (total * total if reads_input else total).to(y.dtype)
 
 
 def sliding_length(n: int, kernel: int, stride: int, left: int, right: int, dilation: int,
