@@ -431,6 +431,15 @@ def test_layers_built_differently_are_named(P_world, comm):
     with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedFeatureConv1d: ranks disagree on "
                                                                   r"parameters: "):  # a raw MPI error in its bcast
         DistributedFeatureConv1d(P, 2, 3, 5 if last else 3)
+    # the channel form exchanges no window: its geometry is compared as a setting (it went unnamed, silently wrong)
+    from distdl.nn import DistributedChannelConv1d
+    P_c = P_world.create_cartesian_topology_partition((1, comm.size, 1))
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1, 1))
+    conv = DistributedChannelConv1d(P_c, P_0, P_c, comm.size, 2, 3, padding=1,
+                                    padding_mode="circular" if last else "reflect")
+    with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedChannelConv1d \(settings\): ranks "
+                                                                  r"disagree on geometry: "):
+        conv(random_tensor((1, 1, 6), seed=comm.rank, dtype=torch.float32))
     # Windows inside each worker's block exchange nothing: another kernel, or another layer, went unseen.
     x = random_tensor((1, 2, 4 * comm.size), seed=comm.rank, dtype=torch.float32)
     with checking(), pytest.raises(CollectiveMismatchError, match=r"DistributedMaxPool1d: ranks disagree on "

@@ -151,6 +151,10 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
             raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
 
+    def _replicated_settings(self) -> dict[str, object]:
+        # the channel form exchanges no window, whose check would compare these
+        return {"geometry": (self.kernel_size, self.stride, self._pads, self.dilation, self.padding_mode)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's block of ``y``. Outside ``P_y`` it is zero-volume and, as DistDL's, keeps the batch
         extent of the block this worker sent or multiplied, ``(batch, 0)`` (so ``y.view(y.size(0), -1)`` works)."""
