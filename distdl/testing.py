@@ -101,7 +101,7 @@ def gather(x_local: torch.Tensor, P: MPIPartition) -> torch.Tensor:
 
 
 def _bytes(x: torch.Tensor) -> tuple:
-    flat = x.detach().cpu().resolve_conj().resolve_neg().reshape(-1)
+    flat = x.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)  # a sliced block too
     return x.dtype, x.shape, flat.view(torch.uint8).numpy().copy()
 
 

@@ -55,6 +55,27 @@ def test_layers_under_autocast(P_world, comm, overlap):
             assert (a - b).norm() <= 3e-2 * scale, (a, b)
 
 
+@sizes(2, 3)
+def test_an_empty_block_of_a_convolution_under_autocast(P_world, comm):
+    """A worker whose output block is empty (fewer pixels, or output channels, than workers) gets autocast's dtype
+    as the others do (it kept the input's float32: the blocks formed no tensor of one dtype)."""
+    from distdl.nn import DistributedChannelConv1d, DistributedFeatureConv1d
+    from distdl.testing import gather
+    P_s = P_world.create_cartesian_topology_partition([1, 1, comm.size])
+    P_c = P_world.create_cartesian_topology_partition([1, comm.size, 1])
+    P_w = P_world.create_cartesian_topology_partition([comm.size, 1, 1])
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition([1, 1, 1])
+    for layer, x, P_y in ((DistributedFeatureConv1d(P_s, 2, 3, 3, padding=1),
+                           scatter(random_tensor((2, 2, comm.size - 1), seed=1).float(), P_s), P_s),
+                          (DistributedChannelConv1d(P_0, P_c, P_w, 2, comm.size - 1, 3, padding=1),
+                           scatter(random_tensor((2, 2, 5), seed=2).float(), P_0), P_c)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        if P_y.active:
+            assert y.dtype == torch.bfloat16, (type(layer).__name__, tuple(y.shape))
+        assert gather(y.detach(), P_y).dtype == torch.bfloat16
+
+
 @sizes(1, 2, 3)
 def test_pooling_under_autocast(P_world, comm):
     """Pooling under autocast gives torch's dtypes (CPU autocast runs avg_pool3d in float32, so its output stays

@@ -162,8 +162,11 @@ def test_max_windows_wholly_in_the_padding(P_world, comm):
 def test_max_windows_of_minus_infinity_at_the_edge(P_world, comm):
     """Inputs of -inf at the left edge (a masked_fill before the pool): torch sends a window's gradient to its
     first element inside the input, whatever the worker count (the first worker's window held the padding as
-    -inf, which won the tie and dropped the gradient)."""
+    -inf, which won the tie and dropped the gradient; with dilation, on one worker too)."""
     for P_shape, x_shape, kwargs in (((1, 1, comm.size), (2, 2, 2 * comm.size + 3), dict(kernel_size=3, stride=1)),
+                                     # dilated too (its own padding was -inf in the window, on one worker as well)
+                                     ((1, 1, comm.size), (1, 2, 2 * comm.size + 4), dict(kernel_size=3, stride=1,
+                                                                                          dilation=2)),
                                      ((1, 1, comm.size, 1), (1, 2, 2 * comm.size + 1, 4), dict(kernel_size=3)),
                                      ((1, 1, 1, comm.size), (1, 2, 4, 3 * comm.size), dict(kernel_size=(3, 5),
                                                                                           stride=(1, 2)))):
@@ -172,7 +175,8 @@ def test_max_windows_of_minus_infinity_at_the_edge(P_world, comm):
         x = random_tensor(x_shape, seed=0)
         split = P_shape.index(comm.size) if comm.size > 1 else len(P_shape) - 1
         x.narrow(split, 0, 2).fill_(-torch.inf)  # the first two entries along the split dimension
-        assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=1)
+        _, y = assert_sequential_equivalence(layer, ref, x, P_x, P_x, seed=1)
+        assert y.is_contiguous()  # as torch's (the outputs past the block are cropped)
 
 
 @sizes(1, 2, 3, 4)

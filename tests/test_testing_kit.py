@@ -96,6 +96,10 @@ def test_gather_refuses_blocks_it_would_cast_or_misplace(P_world, comm):
         gather(x.float() if comm.rank == 1 else x, P)
     with pytest.raises(ValueError, match="gather: expected the blocks of a balanced decomposition"):
         gather(torch.ones(3 if comm.rank == 0 else 1), P)
+    blocks = scatter(random_tensor((2 * comm.size + 1, 2), seed=5), P_world.create_cartesian_topology_partition(
+        (comm.size, 1)))
+    torch.testing.assert_close(gather(blocks[:, :1], P_world.create_cartesian_topology_partition((comm.size, 1))),
+                               random_tensor((2 * comm.size + 1, 2), seed=5)[:, :1])  # a sliced block (it raised)
 
 
 @sizes(1, 2)

@@ -170,6 +170,12 @@ def connect(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None
     return y + (total * total if reads_input else total).to(y.dtype)
 
 
+def conv_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """Return the dtype of torch's convolution of ``x`` and ``weight`` (autocast's, under torch.autocast), for an
+    empty output block, from a one-element convolution."""
+    return torch.nn.functional.conv1d(x.new_zeros(1, 1, 1), weight.new_zeros(1, 1, 1)).dtype
+
+
 def sliding_length(n: int, kernel: int, stride: int, left: int, right: int, dilation: int,
                    ceil_mode: bool = False) -> int:
     """Return torch's output length of a sliding window (convolution, pooling)."""

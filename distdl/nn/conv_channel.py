@@ -186,7 +186,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             _windows.sliding_length(n, k, s, left, right, dl)
             for n, k, s, (left, right), dl in zip(x.shape[2:], self.kernel_size, self.stride, pads, self.dilation))
         if x.numel() == 0 or weight.numel() == 0 or 0 in shape:  # still joined to the graph
-            return _windows.connect(x.new_zeros(shape), x, weight, bias)
+            return _windows.connect(x.new_zeros(shape, dtype=_windows.conv_dtype(x, weight)), x, weight, bias)
         if self.padding_mode == "zeros" and all(left == right for left, right in pads):
             return _CONV[self.dims](x, weight, bias, self.stride, tuple(left for left, _ in pads), self.dilation)
         flat_pads = tuple(p for pair in reversed(pads) for p in pair)

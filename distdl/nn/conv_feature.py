@@ -148,7 +148,8 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
             weight, bias = flat[:weight.numel()].view_as(weight), None if bias is None else flat[weight.numel():]
         shape = tuple(b - a for a, b in plan.block)
         if 0 in shape:  # still joined to the graph: its backward takes part in the collectives
-            return _windows.connect(window.new_zeros(shape), window, weight, bias)
+            return _windows.connect(window.new_zeros(shape, dtype=_windows.conv_dtype(window, weight)), window, weight,
+                                    bias)
         return _CONV[self.dims](window, weight, bias, self.stride, plan.padding, self.dilation, self.groups)
 
     def extra_repr(self) -> str:

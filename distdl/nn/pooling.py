@@ -143,10 +143,11 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
         if inside is not None:
             window = window.masked_fill(~inside, lowest)
         padding = plan.padding
-        if any(padding) and any(d > 1 for d in self.dilation):
+        if any(padding) and any(d > 1 for d in self.dilation) and self._wholly_outside(plan):
             # A dilated window may lie wholly in torch's padding, where torch's index points past the input and its
             # backward writes there (another plane's gradient, or past the buffer): pad here instead, so that the
-            # index points into the pad, whose gradient F.pad's backward drops.
+            # index points into the pad, whose gradient F.pad's backward drops. Only then: a pad of -inf in the
+            # window wins ties with inputs of -inf, as masked ones do (see _pads_left).
             window, padding = F.pad(window, [p for side in reversed(padding) for p in (side, side)],
                                     value=lowest), (0,) * self.dims
         if self.dims == 1:  # through the 2-d kernel, which also takes integer tensors (torch's 1-d one does not)
@@ -154,7 +155,18 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
                              (1,) + self.dilation).squeeze(-2)
         else:
             y = _MAX[self.dims](window, self.kernel_size, self.stride, padding, self.dilation)
-        return y if y.shape[2:] == shape[2:] else y[(slice(None),) * 2 + tuple(slice(0, n) for n in shape[2:])]
+        if y.shape[2:] != shape[2:]:  # contiguous, as torch's output (y.view works)
+            y = y[(slice(None),) * 2 + tuple(slice(0, n) for n in shape[2:])].contiguous()
+        return y
+
+    def _wholly_outside(self, plan: _windows.Plan) -> bool:
+        """Whether the window of one of this worker's outputs lies wholly outside the input along a dimension."""
+        for k, ((o0, o1), n) in enumerate(zip(plan.block[2:], plan.x_shape[2:])):
+            taps = (np.arange(o0, o1)[:, None] * self.stride[k] - self.padding[k]
+                    + np.arange(self.kernel_size[k]) * self.dilation[k])
+            if ((taps < 0) | (taps >= n)).all(axis=1).any():
+                return True
+        return False
 
 
 class _DistributedAvgPoolNd(_DistributedPoolNd):
