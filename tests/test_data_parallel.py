@@ -862,9 +862,12 @@ def test_errors(P_world, comm):
             DataParallel(odd, P_world)
         odd = torch.nn.Linear(3, 2)
         odd.bias.requires_grad_(comm.rank != 0)  # which parameters take gradients, named too
-        with pytest.raises(ValueError, match=r"the first difference: bias \(torch.float32, shape \(2,\), frozen\) on "
-                                             r"P rank 0, bias \(torch.float32, shape \(2,\)\) on P rank 1"):
-            DataParallel(odd, P_world)
+        # all_reduce_gradients too (it named the next parameter, leaving frozen ones out of its list)
+        for sync in (lambda: DataParallel(odd, P_world), lambda: all_reduce_gradients(odd, P_world)):
+            with pytest.raises(ValueError, match=r"the first difference: bias \(torch.float32, shape \(2,\), "
+                                                 r"frozen\) on P rank 0, bias \(torch.float32, shape \(2,\)\) "
+                                                 r"on P rank 1"):
+                sync()
 
 
 @sizes(2, 3)
@@ -1075,3 +1078,24 @@ def test_deep_copy_names_the_way(P_world, comm):
                                         r"DataParallel\(copy.deepcopy\(wrapper.module\), P\)"):
         copy.deepcopy(wrapped)
     assert isinstance(copy.deepcopy(wrapped.module), torch.nn.Sequential)
+
+
+@sizes(2, 3)
+def test_a_gradient_freed_by_zero_grad_and_unused_on_some_workers(P_world, comm):
+    """A parameter reduced at one step, its .grad freed by zero_grad() (set_to_none, torch's default) and unused at
+    the next on worker 1 only: its None gradient counts as zeros, as at a first call (the check for a gradient
+    accumulated since the last call read None's version: AttributeError there, the others waited)."""
+    x = random_tensor((3, 2), seed=comm.rank).float()
+    for op in ("sum", "avg"):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        for step in range(2):
+            model.zero_grad()
+            used = step == 0 or comm.rank != 1
+            y = model["a"](x) + (model["b"](x) if used else 0)
+            y.sum().backward()
+            all_reduce_gradients(model, P_world, op=op)
+            expected = comm.allreduce(x.sum(0).numpy() if used else 0 * x.sum(0).numpy())  # d/dW_b: each row
+            if op == "avg":
+                expected = expected / comm.size
+            torch.testing.assert_close(model["b"].weight.grad, torch.from_numpy(expected).expand(2, 2))

@@ -98,7 +98,7 @@ def all_reduce_gradients(module: torch.nn.Module, P: MPIPartition, op: str = "av
     # What a second reduction would change: every gradient summed, or divided where its layer summed it already
     changed = [p for b in buckets for p in b.params] if op == "sum" else list(summed.values())
     written = P._memo(("reduced gradients",), dict)  # id(p) -> (p, its .grad, weakly; the .grad's version)
-    _check_agreement(where, P, lambda: _named(module, frozen=False, buffers=False), signature, problem,
+    _check_agreement(where, P, lambda: _named(module, buffers=False), signature, problem,
                      _accumulated(where, op, changed, written))
     for p in summed.values() if op == "avg" else ():  # their layers summed these over P already
         if p.grad is not None:
@@ -125,8 +125,8 @@ def _accumulated(where: str, op: str, params: list, written: dict) -> str | None
     backward accumulating onto it; ``zero_()`` also writes once, but leaves nothing that a reduction changes)."""
     for p in params:
         found = written.get(id(p))
-        if (found is not None and found[0]() is p and found[1]() is p.grad and p.grad._version == found[2]
-                and bool(p.grad.any())):
+        if (found is not None and p.grad is not None and found[0]() is p and found[1]() is p.grad  # None: freed
+                and p.grad._version == found[2] and bool(p.grad.any())):
             again = ("summed again (P.size times too large)" if op == "sum" else
                      "divided by P.size again (its layer summed it over P already)")
             return (f"{where}: expected the gradients zeroed between calls, got the gradient of a parameter of shape "
@@ -627,11 +627,10 @@ def _check_agreement(where: str, P: MPIPartition, tensors, signature: int, probl
                              "or a layer that sums a parameter over P on some workers only)"))
 
 
-def _named(module: torch.nn.Module, frozen: bool = True, buffers: bool = True) -> list[tuple[str, torch.Tensor, str]]:
-    """Return ``module``'s parameters (the ``frozen`` ones too) and ``buffers`` as (name, tensor, kind) for
-    :func:`_check_agreement`."""
-    found = [(n, p, "" if p.requires_grad else ", frozen") for n, p in module.named_parameters()
-             if frozen or p.requires_grad]
+def _named(module: torch.nn.Module, buffers: bool = True) -> list[tuple[str, torch.Tensor, str]]:
+    """Return ``module``'s parameters (frozen ones too: one frozen on some workers only is the difference named)
+    and ``buffers`` as (name, tensor, kind) for :func:`_check_agreement`."""
+    found = [(n, p, "" if p.requires_grad else ", frozen") for n, p in module.named_parameters()]
     return found + ([(n, b, ", a buffer") for n, b in module.named_buffers()] if buffers else [])
 
 
