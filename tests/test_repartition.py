@@ -218,6 +218,8 @@ def test_errors(P_world, comm):
         repartition(torch.ones(3), P_1d, "P_y")
     with pytest.raises(TypeError, match="Repartition: expected an MPIPartition for P_x, got NoneType"):
         Repartition(None, P_1d)
+    with pytest.raises(TypeError, match="Repartition: expected a bool for preserve_batch, got 'False'"):
+        Repartition(P_1d, P_1d, preserve_batch="False")
     # Workers disagreeing about the global tensor all get the same error instead of a hang.
     P_y = _partition(P_world, None, (1,)) if comm.size == 1 else _partition(P_world, [1, 0], (2,))
     bad = torch.ones(1 if comm.rank == 0 else 2)

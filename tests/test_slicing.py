@@ -34,3 +34,9 @@ def test_zero_volume_tensor():
     t = zero_volume_tensor(3, dtype=torch.float64, requires_grad=True)
     assert t.shape == (3, 0) and t.dtype == torch.float64 and t.requires_grad and t.numel() == 0
     assert zero_volume_tensor(dtype=torch.int64).dtype == torch.int64
+    assert zero_volume_tensor(np.int64(2)).shape == (2, 0)
+    for bad in ("4", 4.0, True, torch.tensor(4)):
+        with pytest.raises(TypeError, match=r"zero_volume_tensor: expected None or an int for b, got "):
+            zero_volume_tensor(bad)
+    with pytest.raises(ValueError, match="zero_volume_tensor: expected b >= 0, got -1"):
+        zero_volume_tensor(-1)

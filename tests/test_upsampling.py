@@ -87,6 +87,10 @@ def test_errors(P_world, comm):
         DistributedUpsample(P_x, scale_factor=2, mode="bilinear")
     with pytest.raises(ValueError, match="expected align_corners=None with mode 'nearest', got True"):
         DistributedUpsample(P_x, scale_factor=2, align_corners=True)
+    with pytest.raises(TypeError, match="DistributedUpsample: expected a bool for align_corners, got 'False'"):
+        DistributedUpsample(P_x, scale_factor=2, mode="linear", align_corners="False")  # torch's op raises too
+    with pytest.raises(TypeError, match="DistributedUpsample: expected a bool for recompute_scale_factor, got 0"):
+        DistributedUpsample(P_x, scale_factor=2, recompute_scale_factor=0)
     with pytest.raises(ValueError, match="expected exactly one of size and scale_factor, got size=None"):
         DistributedUpsample(P_x)
     with pytest.raises(ValueError, match=r"expected recompute_scale_factor only with scale_factor \(as torch\), got "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from distdl.functional._common import check_flags
 from distdl.functional.repartition import check_pair, repartition, union
 from distdl.partition import MPIPartition
 
@@ -19,13 +20,14 @@ class Repartition(torch.nn.Module):
         preserve_batch: zero-volume outputs keep the input's first extent, as ``(b, 0)``.
     Raises:
         ValueError: partitions of different roots or dimensions.
-        TypeError: arguments that are not partitions.
+        TypeError: arguments that are not partitions, a ``preserve_batch`` that is not a bool.
     """
 
     def __init__(self, P_x: MPIPartition, P_y: MPIPartition, preserve_batch: bool = True) -> None:
         super().__init__()
+        self.preserve_batch, = check_flags("Repartition", preserve_batch=preserve_batch)
         check_pair("Repartition", P_x, P_y)
-        self.P_x, self.P_y, self.preserve_batch = P_x, P_y, bool(preserve_batch)
+        self.P_x, self.P_y = P_x, P_y
         union(P_x, P_y)  # the communicator (shared with the backward) is built here, once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from distdl.functional._common import check_partition
+from distdl.functional._common import check_flags, check_partition
 from distdl.nn import _windows
 from distdl.partition import MPIPartition
 
@@ -99,6 +99,7 @@ class DistributedUpsample(torch.nn.Module):
             (``n / floor(n * scale_factor)``), ``False`` or ``None`` at ``scale_factor`` itself, as torch's.
     Raises:
         ValueError: a partition of the wrong dimension, an unsupported mode, or arguments torch would reject.
+        TypeError: an ``align_corners`` or ``recompute_scale_factor`` that is neither None nor a bool.
     """
 
     def __init__(self, P_x: MPIPartition, size: int | tuple[int, ...] | None = None,
@@ -113,6 +114,9 @@ class DistributedUpsample(torch.nn.Module):
         if mode not in ("nearest", "nearest-exact") and _LINEAR.get(mode) != d:
             raise ValueError(f"{name}: expected mode 'nearest', 'nearest-exact' or "
                              f"{['linear', 'bilinear', 'trilinear'][d - 1]!r} for {d} spatial dimensions, got {mode!r}")
+        for flag, value in (("align_corners", align_corners), ("recompute_scale_factor", recompute_scale_factor)):
+            if value is not None:
+                check_flags(name, **{flag: value})  # torch takes a string "False" as True here
         if mode.startswith("nearest") and align_corners is not None:
             raise ValueError(f"{name}: expected align_corners=None with mode {mode!r}, got {align_corners!r}")
         if (size is None) == (scale_factor is None):
