@@ -1,6 +1,8 @@
 """Mixed precision: distdl's layers run under torch.autocast as torch's do (the activation in autocast's dtype, the
 parameters in float32), and their results approximate the same layers' without autocast."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -79,11 +81,11 @@ def test_an_empty_block_of_a_convolution_under_autocast(P_world, comm):
 @sizes(1, 2, 3)
 def test_pooling_under_autocast(P_world, comm):
     """Pooling under autocast gives torch's dtypes (CPU autocast runs avg_pool3d in float32, so its output stays
-    float32 for a bfloat16 input) and values."""
+    float32 for a bfloat16 input) and values, also in empty output blocks (an extent of 2: one output pixel)."""
     from distdl.nn import pooling
-    for dims in (1, 2, 3):
+    for dims, n in itertools.product((1, 2, 3), (2 * comm.size + 1, 2)):
         P_x = P_world.create_cartesian_topology_partition((1, 1, comm.size) + (1,) * (dims - 1))
-        x = random_tensor((2, 2, 2 * comm.size + 1) + (4,) * (dims - 1), seed=7)
+        x = random_tensor((2, 2, n) + (4,) * (dims - 1), seed=7)
         for kind in ("Max", "Avg"):
             name = f"{kind}Pool{dims}d"
             layer, ref = getattr(pooling, "Distributed" + name)(P_x, 2), getattr(torch.nn, name)(2)

@@ -33,20 +33,22 @@ from distdl.partition import MPIPartition
 __all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
 
-_MAX = {2: F.max_pool2d, 3: F.max_pool3d}
+_MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
-_AUTOCAST_DTYPES: dict = {}  # (device type, autocast dtype, input dtype, dims) -> torch's output dtype
+_AUTOCAST_DTYPES: dict = {}  # (device type, autocast dtype, input dtype, torch's op) -> the op's output dtype
 
 
-def _average_dtype(x: torch.Tensor, dims: int) -> torch.dtype:
-    """Return the dtype torch's average pooling gives ``x``: its own, but under torch.autocast what autocast makes
-    of the op (CPU autocast runs avg_pool3d in float32), learnt once from torch's op on a one-element tensor."""
+def _pooled_dtype(x: torch.Tensor, pool) -> torch.dtype:
+    """Return the dtype torch's pooling ``pool`` (such as F.max_pool3d) gives ``x``: its own, but under
+    torch.autocast what autocast makes of the op (CPU autocast runs max_pool3d and avg_pool3d in float32), learnt
+    once from the op on a one-element tensor."""
     kind = x.device.type
     if not x.is_floating_point() or not torch.is_autocast_enabled(kind):
         return x.dtype
-    key = (kind, torch.get_autocast_dtype(kind), x.dtype, dims)
+    key = (kind, torch.get_autocast_dtype(kind), x.dtype, pool)
     if key not in _AUTOCAST_DTYPES:
-        _AUTOCAST_DTYPES[key] = _AVG[dims](torch.zeros((1, 1) + (1,) * dims, dtype=x.dtype, device=x.device), 1).dtype
+        _AUTOCAST_DTYPES[key] = pool(torch.zeros((1, 1) + (1,) * (x.dim() - 2), dtype=x.dtype, device=x.device),
+                                     1).dtype
     return _AUTOCAST_DTYPES[key]
 
 Size = int | tuple[int, ...]
@@ -132,7 +134,7 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
         if plan is None:
             return window
         if 0 in shape:
-            return _windows.connect(window.new_zeros(shape), window)
+            return _windows.connect(window.new_zeros(shape, dtype=_pooled_dtype(x, _MAX[self.dims])), window)
         inside = None
         for k, ((a, b), n) in enumerate(zip(plan.window[2:], plan.x_shape[2:])):
             if a < 0 or b > n:
@@ -204,7 +206,7 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         if plan is None:
             return window
         if 0 in shape:
-            return _windows.connect(window.new_zeros(shape, dtype=_average_dtype(x, self.dims)), window)
+            return _windows.connect(window.new_zeros(shape, dtype=_pooled_dtype(x, _AVG[self.dims])), window)
         compute = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
         window = window.to(compute)
         if self.dims == 1:  # a sum pooling: torch's average with divisor 1
@@ -223,7 +225,7 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
                                   32)  # each as large as the output block
         ).to(device=x.device, dtype=compute)
         y = sums / divisor if x.is_floating_point() else torch.div(sums, divisor, rounding_mode="trunc")
-        return y.to(_average_dtype(x, self.dims))
+        return y.to(_pooled_dtype(x, _AVG[self.dims]))
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
