@@ -303,6 +303,52 @@ def test_activation_checkpointing_where_some_workers_save_nothing(P_world, comm,
         torch.testing.assert_close(grads[1], grads[0])
 
 
+@sizes(2, 3)
+def test_selective_activation_checkpointing(P_world, comm):
+    """torch's selective activation checkpointing hands a recomputation the tensors its policy kept from the
+    forward's ops. A sum_reduce onto a worker that sources nothing summed in place into zeros made by torch, whose
+    version counter does not see MPI's write: the recomputation added the others' blocks twice (silently wrong
+    gradients, at sizes past the inline payloads). The overlapped reduce-scatter ring added into the products a
+    policy keeps (torch's "mutated" error). Gradients equal those without checkpointing."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from distdl.nn import SumReduce
+
+    def run(region, policy, x, params):
+        grads = []
+        for context in (None, functools.partial(create_selective_checkpoint_contexts, policy)):
+            for t in (x, *params):
+                t.grad = None
+            y = region(x) if context is None else checkpoint(region, x, use_reentrant=False, context_fn=context)
+            y.backward(random_tensor(y.shape, seed=20 + comm.rank))
+            grads.append([t.grad for t in (x, *params)])
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+
+    def all_but_tanh(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_RECOMPUTE if op == torch.ops.aten.tanh.default else CheckpointPolicy.PREFER_SAVE
+
+    def products(ctx, op, *args, **kwargs):
+        saved = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    n = comm.size
+    P_x = P_world.create_partition_inclusive(list(range(1, n))).create_cartesian_topology_partition((n - 1, 1))
+    P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    reduce = SumReduce(P_x, P_y)
+    for shape in ((2, 1), (64, 64)):  # inline in the header round; a data round
+        w = random_tensor(shape, seed=7).requires_grad_()
+        x = random_tensor(shape, seed=comm.rank) if P_x.active else zero_volume_tensor(dtype=torch.float64)
+        run(lambda x: torch.tanh(reduce(x) * w) if P_y.active else reduce(x), all_but_tanh, x.requires_grad_(), [w])
+    P_row = P_world.create_cartesian_topology_partition((1, n))
+    torch.manual_seed(3)
+    up = DistributedLinearAllGather(P_row, 6, 2 * n + 1, overlap=True)
+    mlp = torch.nn.Sequential(up, torch.nn.Tanh(), DistributedLinearReduceScatter(up.P_y, 2 * n + 1, 5, overlap=True))
+    x = scatter(random_tensor((4, 6), seed=9), P_row).requires_grad_()
+    run(mlp.double(), products, x, list(mlp.parameters()))
+
+
 @pytest.mark.parametrize("kind", ["tensor parallel", "DistributedLinear", "layer norm"])
 @sizes(2, 3, 4)
 def test_double_backward_through_layers_leaving_workers_out(P_world, comm, kind):

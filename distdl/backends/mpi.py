@@ -280,19 +280,16 @@ class InPlaceSum:
             rest.div_(self.divisor)
 
 
-def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor | None, y: torch.Tensor | None) -> None:
-    """Write the sum over ``comm`` of ``x`` into ``y`` on rank 0 (``y`` None elsewhere; ``x`` None where
-    rank 0 contributes nothing and ``y`` holds zeros). Large tensors take a pairwise reduce-scatter and a
-    gather, with ``y`` as rank 0's scratch space; the other workers hold one or two rows of ``x``."""
+def reduce_sum(comm: MPI.Intracomm, x: torch.Tensor, y: torch.Tensor | None) -> None:
+    """Write the sum over ``comm`` of ``x`` into ``y`` on rank 0 (``y`` None elsewhere). Large tensors take a
+    pairwise reduce-scatter and a gather, with ``y`` as rank 0's scratch space; the other workers hold one or
+    two rows of ``x``."""
     root = comm.rank == 0
-    rows = _rows(comm, y if x is None else x)
+    rows = _rows(comm, x)
     if rows is None:
-        _either(comm, comm.Reduce, comm.Ireduce, MPI.IN_PLACE if x is None else buffer(x, summed=True),
-                buffer(y, summed=True) if root else None, op=MPI.SUM, root=0)
+        _either(comm, comm.Reduce, comm.Ireduce, buffer(x, summed=True), buffer(y, summed=True) if root else None,
+                op=MPI.SUM, root=0)
         return
-    if x is None:
-        x = torch.zeros_like(y)
-        rows = _rows(comm, x)
     r, p = comm.rank, comm.size
     if root:
         y_rows = _rows(comm, y)

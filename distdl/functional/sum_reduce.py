@@ -161,15 +161,18 @@ def _sum_reduce(x, preserve_batch, P_send, P_recv, blocking, summed=None):
             if receiver:  # sum the blocks here
                 y = sum_payloads(messages, sources, dtype, shape, accumulate).to(x.device)
             continue
-        x_sum = transport.contiguous(x, accumulate) if not receiver or sources_itself else None
-        if receiver:  # a receiver that is no source of its group adds zeros
-            y = transport.empty(shape, accumulate, x.device) if sources_itself else torch.zeros(
-                shape, dtype=accumulate, device=x.device)
+        # A receiver that is no source of its group sends zeros. MPI overwrites y, never adds into it: selective
+        # activation checkpointing hands a recomputation the tensors torch's ops made in the forward, and cannot
+        # see MPI's writes (summing in place into zeros made by torch counted the others' blocks twice).
+        x_sum = transport.contiguous(x, accumulate) if not receiver or sources_itself else torch.zeros(
+            shape, dtype=accumulate, device=x.device)
+        if receiver:
+            y = transport.empty(shape, accumulate, x.device)
         if blocking:
             transport.reduce_sum(P.comm, x_sum, y if receiver else None)
         else:
             keep.append(x_sum)  # referenced until the wait
-            requests.append(P.comm.Ireduce(MPI.IN_PLACE if x_sum is None else transport.buffer(x_sum, summed=True),
+            requests.append(P.comm.Ireduce(transport.buffer(x_sum, summed=True),
                                            transport.buffer(y, summed=True) if receiver else None, op=MPI.SUM, root=0))
     MPI.Request.Waitall(requests)
     if error is not None:

@@ -123,7 +123,7 @@ class _LinearReduceScatter(torch.autograd.Function):
                 total = partial(block)
                 if step > 0:
                     receive.Wait()
-                    total += incoming
+                    total = incoming.add_(total)  # not into the product: checkpointing policies may keep it
                 if step < size - 1:
                     if total.is_cuda:  # MPI reads the memory directly
                         torch.cuda.current_stream(total.device).synchronize()
