@@ -273,8 +273,9 @@ class MPIPartition:
         ranks = self._check_ranks("create_partition_inclusive", ranks)
         if not ranks:
             raise ValueError("create_partition_inclusive: expected at least one rank, got none")
-        members = self._require_members("create_partition_inclusive")
-        return self._derive(tuple(members[r] for r in ranks), (len(ranks),))
+        if self._members is None:  # a sub-grid of a parent this worker is outside: so is any part of it
+            return self._derive(None, (len(ranks),), fibre=frozenset(), split=True)
+        return self._derive(tuple(self._members[r] for r in ranks), (len(ranks),))
 
     def create_partition_exclusive(self, ranks: Iterable[int]) -> MPIPartition:
         """Return the partition of all ranks of this partition except the listed ones."""
@@ -284,8 +285,9 @@ class MPIPartition:
         if not keep:
             raise ValueError(f"create_partition_exclusive: expected to keep at least one of {self.size} "
                              "ranks, got all of them excluded")
-        members = self._require_members("create_partition_exclusive")
-        return self._derive(tuple(members[r] for r in keep), (len(keep),))
+        if self._members is None:  # as in create_partition_inclusive
+            return self._derive(None, (len(keep),), fibre=frozenset(), split=True)
+        return self._derive(tuple(self._members[r] for r in keep), (len(keep),))
 
     def create_partition_union(self, other: MPIPartition) -> MPIPartition:
         """Return the workers of this partition followed by those of ``other`` not in it."""
@@ -433,7 +435,10 @@ class MPIPartition:
 
     @property
     def active(self) -> bool:
-        """Whether this worker is a member."""
+        """Whether this worker is a member; ValueError once the partition was freed (its members would read as
+        outside it)."""
+        if self._freed:
+            self._check_live("MPIPartition.active")
         return self._comm != MPI.COMM_NULL
 
     @property
@@ -591,6 +596,8 @@ class MPIPartition:
         return hash((self._members, self._shape)) if self._members is not None else id(self)
 
     def __repr__(self) -> str:
+        if self._freed:
+            return f"MPIPartition(shape={self.shape}, freed)"
         if not self.active:
             return f"MPIPartition(shape={self.shape}, active=False)"
         return f"MPIPartition(shape={self.shape}, rank={self.rank}, index={self.index})"

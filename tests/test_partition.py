@@ -117,8 +117,15 @@ def test_a_sub_grid_joins_only_partitions_within_it(P_world, comm):
         rows = P_world.create_partition_inclusive([0, 1]).create_subpartition([0])
     # within its sub-grid each worker's sub-grid joins its own parts: every row builds its own partition
     assert rows.active or (n == 3 and comm.rank == 2 and rows.root_ranks is None)  # unknown outside its parent
-    if rows.active:
-        first = rows.create_partition_inclusive([0])
+    first = rows.create_partition_inclusive([0])  # every worker derives alike; outside the parent, inactive
+    others = rows.create_partition_exclusive([0]) if rows.size > 1 else first
+    if not rows.active:
+        assert not first.active and first.root_ranks is None and not others.active and others.root_ranks is None
+        with pytest.raises(ValueError, match="create_partition_union: the members of this partition are unknown"):
+            first.create_partition_union(rows)
+    else:
+        assert first.root_ranks == rows.root_ranks[:1]
+        assert others.root_ranks == (rows.root_ranks[1:] or first.root_ranks)
         assert first.create_partition_union(rows).root_ranks == rows.root_ranks
         P_send, P_recv = first.create_broadcast_partition_to(rows)
         assert P_recv.root_ranks == rows.root_ranks
@@ -304,7 +311,9 @@ def test_free_and_no_leak(P_world, comm):
     start = live_communicators()
     with P_world.create_partition_inclusive([0, 1]) as P:
         assert live_communicators() == start + P.active
-    assert not P.active and live_communicators() == start
+    assert live_communicators() == start and repr(P) == "MPIPartition(shape=(2,), freed)"
+    with pytest.raises(ValueError, match=r"MPIPartition.active: the partition of shape \(2,\) was freed"):
+        P.active  # its members would read as outside it
     P.free()  # idempotent
     for _ in range(20):
         P_world.create_cartesian_topology_partition([comm.size, 1]).create_subpartition([0])

@@ -29,10 +29,10 @@ def check_partition(where: str, name: str, P: object) -> None:
 def check_idle_input(where: str, P: MPIPartition, x: torch.Tensor, name: str = "P_x") -> None:
     """A worker outside ``P`` contributes nothing: its input must be zero-volume. ValueError on every worker
     where ``P`` was freed (it would pass for inactive on each)."""
-    if P.active:
-        return
     if P._freed:
         P._check_live(f"{where} ({name})")
+    if P.active:
+        return
     if x.numel() != 0:
         raise ValueError(f"{where}: worker {P._root.rank} is outside {name} and expected a zero-volume tensor, "
                          f"got shape {tuple(x.shape)}")
