@@ -830,6 +830,55 @@ def test_no_sync_accumulates_locally(P_world, comm):
     _assert_grads(wrapped, [2 * g for g in expected])
 
 
+@sizes(2)
+def test_no_sync_around_the_forward_alone(P_world, comm):
+    """As with DDP, a forward run in no_sync() is not reduced where its backward runs outside it."""
+    x, y = _batch(2, seed=50 + comm.rank)
+    wrapped = DataParallel(_mlp(5), P_world, op="sum")
+    with wrapped.no_sync():
+        loss = ((wrapped(x) - y) ** 2).sum()
+    loss.backward()
+    _assert_grads(wrapped, _grads(_mlp(5), x, y), exact=True)
+    ((wrapped(x) - y) ** 2).sum().backward()  # accumulates onto the local gradient, then reduces the total
+    expected = _grads(_mlp(5), *(torch.cat(t) for t in zip(_batch(2, 50), _batch(2, 51))))
+    _assert_grads(wrapped, [2 * g for g in expected])
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("op", ["sum", "avg"])
+@pytest.mark.parametrize("bucket_cap_mb", [25, 1e-6])
+@pytest.mark.parametrize("how", ["heads", "inputs"])
+def test_a_second_backward_in_a_step_leaves_what_the_first_reduced(P_world, comm, op, bucket_cap_mb, how):
+    """Two backward calls in one step reaching different parameters (two heads; backward(inputs=...)): the second
+    left the first's reduced gradients in buckets it had not reached, which it reduced again (P.size times the sum
+    with op="sum"). Each gradient equals the sequential model's on the whole batch."""
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.a, self.b = torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 3).double()
+
+        def forward(self, x):
+            return self.a(x).square().sum(), self.b(x).tanh().sum()
+
+    wrapped = DataParallel(Heads(), P_world, op=op, bucket_cap_mb=bucket_cap_mb)
+    for step in range(2):
+        wrapped.zero_grad(set_to_none=step == 0)
+        x = random_tensor((2, 4), seed=10 * step + comm.rank)
+        la, lb = wrapped(x)
+        if how == "heads":
+            la.backward()
+            lb.backward()
+        else:
+            (la + lb).backward(inputs=list(wrapped.module.a.parameters()), retain_graph=True)
+            (la + lb).backward(inputs=list(wrapped.module.b.parameters()))
+        sequential = Heads()
+        whole = torch.cat([random_tensor((2, 4), seed=10 * step + r) for r in range(comm.size)])
+        sum(sequential(whole)).backward()
+        for p, q in zip(wrapped.module.parameters(), sequential.parameters()):
+            torch.testing.assert_close(p.grad, q.grad / (comm.size if op == "avg" else 1), rtol=1e-12, atol=1e-12)
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     model = _mlp(0)

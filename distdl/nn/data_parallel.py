@@ -224,7 +224,7 @@ class DataParallel(torch.nn.Module):
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
         self._divisor = P.size if op == "avg" else 1
         problem = self._plan_buckets(params)
-        self._sync, self._in_flight, self._task = True, False, -1
+        self._sync, self._forward_sync, self._in_flight, self._task = True, True, False, -1
         self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
         if not P.active or P.size == 1:
             return
@@ -293,6 +293,8 @@ class DataParallel(torch.nn.Module):
                        agree={"the values of its parameters (checksum)": checksum(self.module.parameters())})
             if self.broadcast_buffers:
                 transport.bcast_in_place_all(self.P.comm, self.module.buffers())
+        if torch.is_grad_enabled():
+            self._forward_sync = self._sync  # as DDP: a forward in no_sync() is not reduced, wherever its backward
         return self.module(*args, **kwargs)
 
     def _replan(self, params: list) -> None:
@@ -336,7 +338,8 @@ class DataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Within this context, backward accumulates local gradients without reducing them."""
+        """Within this context, backward accumulates local gradients without reducing them; as with DDP, also the
+        backward of the last forward run within it."""
         self._sync, previous = False, self._sync
         try:
             yield
@@ -347,27 +350,32 @@ class DataParallel(torch.nn.Module):
         """Complete every outstanding reduction (done at the end of backward; idempotent)."""
         if not self._in_flight:
             return
-        for index in range(self._next, len(self._buckets)):  # buckets with an unused parameter
-            self._buckets[index].start(self._comm, self._claimed, self._divisor)
+        # Buckets with a parameter this backward did not reach. Where its gradient is still the one the last
+        # reduction wrote (a second backward in a step: another head, backward(inputs=...)), it counts as absent,
+        # and stays as it is where it is absent on every member (reduced again, a sum would be P.size times it).
+        left = {id(p) for p, (grad, version) in ((p, self._written[id(p)]) for b in self._buckets[self._next:]
+                                                  for p in b.params if id(p) in self._written)
+                if grad() is p.grad and p.grad._version == version}
+        for index in range(self._next, len(self._buckets)):
+            self._buckets[index].start(self._comm, self._claimed, self._divisor, left)
         self._next = len(self._buckets)
         _complete(self._buckets)
         self._in_flight = False
-        if self.op == "sum":  # to catch a backward that accumulates onto these sums (it would sum them again)
-            self._written = {id(p): (weakref.ref(p.grad), p.grad._version)
-                             for b in self._buckets for p in b.params if p.grad is not None}
+        self._written = {id(p): (weakref.ref(p.grad), p.grad._version)  # as the reduction left them
+                         for b in self._buckets for p in b.params if p.grad is not None}
 
     def _gradient_ready(self, p: torch.Tensor, index: int, incoming: torch.Tensor | None) -> None:
         # op="sum": the first backward after a reduction, in no_sync() too, must not accumulate onto the sum. Its
         # gradient was written once since (zero_() writes once more); if only through .data (unseen by the version
         # counter: p.grad.data.zero_()), the gradient is the incoming one alone.
         written = self._written.pop(id(p), None) if self._written else None
-        if (written is not None and p.grad is not None and written[0]() is p.grad
+        if (self.op == "sum" and written is not None and p.grad is not None and written[0]() is p.grad
                 and p.grad._version == written[1] + 1 and not _alone(p.grad, incoming)):
             raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
                                "backward that accumulated onto the last reduced gradient (it would be summed "
                                "again: P.size times too large); zero them before each step's first backward "
                                "(micro-batches in no_sync() accumulate after that)")
-        if not self._sync:
+        if not (self._sync and self._forward_sync):
             return
         _check_dense("DataParallel", p)
         if not self._in_flight:
@@ -478,11 +486,11 @@ class _Bucket:
         self.counting: MPI.Request | None = None  # the sum of the presence counts
         self.sum: transport.InPlaceSum | None = None
 
-    def start(self, comm: MPI.Comm, claimed: set[int], divisor: int) -> None:
+    def start(self, comm: MPI.Comm, claimed: set[int], divisor: int, absent: set[int] = frozenset()) -> None:
         """Copy the gradients in (zeros where there is none) and start the reduction, divided by ``divisor``.
         ``claimed``: addresses of gradients not to reduce in place (already reduced in place this round, or
-        shared by parameters)."""
-        grads = [p.grad for p in self.params]
+        shared by parameters); ``absent``: ids of parameters whose gradient counts as none."""
+        grads = [None if id(p) in absent else p.grad for p in self.params]
         with torch.no_grad():
             if self.solo:
                 self.data = [self._solo_data(grads[0], claimed)]
