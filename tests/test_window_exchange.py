@@ -88,3 +88,45 @@ def test_windows_are_checked_and_normalized(P_world, comm):
     with pytest.raises(ValueError, match=r"window_exchange: expected x_global_shape of 1 non-negative extents"):
         window_exchange(x, P_x, (8, 1), (((0, 3),), ((3, 8),)))
     assert torch.equal(window_exchange(x, P_x, torch.Size([8]), (((0, 3),), ((3, 8),))), expected)
+
+
+@sizes(1, 2, 3)
+def test_channels_last_stays_channels_last(P_world, comm):
+    """A channels_last input gives a channels_last output where torch's layer gives one (the windows were contiguous,
+    and so were the outputs built from them: only blocks exchanging nothing kept the format, so it depended on the
+    rank), with the values and input gradients of a contiguous input. Split along the height, uneven at 2 and 3."""
+    from distdl import nn as dnn
+    n = comm.size
+    P_4 = P_world.create_cartesian_topology_partition((1, 1, n, 1))
+    P_5 = P_world.create_cartesian_topology_partition((1, 1, n, 1, 1))
+    P_c = P_world.create_cartesian_topology_partition((1, n, 1, 1))
+    P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1, 1, 1))
+    torch.manual_seed(0)
+    cases = [(dnn.DistributedFeatureConv2d(P_4, 3, 4, 3, padding=1), torch.nn.Conv2d(3, 4, 3, padding=1), P_4, 4),
+             (dnn.DistributedGeneralConv2d(P_4, P_4, P_4, 3, 4, 3, padding=1), torch.nn.Conv2d(3, 4, 3, padding=1),
+              P_4, 4),
+             (dnn.DistributedChannelConv2d(P_c, P_y, P_c, 2 * n, 2, 3, padding=1), torch.nn.Conv2d(2 * n, 2, 3),
+              P_c, 4),
+             (dnn.DistributedMaxPool2d(P_4, 3, padding=1), torch.nn.MaxPool2d(3, padding=1), P_4, 4),
+             (dnn.DistributedAvgPool2d(P_4, 2, ceil_mode=True), torch.nn.AvgPool2d(2, ceil_mode=True), P_4, 4),
+             (dnn.DistributedMaxPool3d(P_5, 2), torch.nn.MaxPool3d(2), P_5, 5),
+             (dnn.DistributedUpsample(P_4, scale_factor=2, mode="bilinear"), torch.nn.Upsample(scale_factor=2,
+                                                                                            mode="bilinear"), P_4, 4)]
+    for layer, reference, P_x, dims in cases:
+        layer, reference = layer.double(), reference.double()
+        fmt = torch.channels_last if dims == 4 else torch.channels_last_3d
+        shape = (2, layer.in_channels if hasattr(layer, "in_channels") else 3, 7, 5, 3)[:dims]
+        x_global = random_tensor(shape, seed=1)
+        expected = reference(x_global.contiguous(memory_format=fmt)).is_contiguous(memory_format=fmt)
+        x = scatter(x_global, P_x)
+        outputs = []
+        for layout in (torch.contiguous_format, fmt):
+            x_k = x.detach().contiguous(memory_format=layout).requires_grad_()
+            y = layer(x_k)
+            y.backward(random_tensor(y.shape, seed=2 + comm.rank).contiguous(memory_format=layout)
+                       if y.dim() == dims else torch.zeros_like(y))
+            outputs.append((y.detach(), x_k.grad))
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-12, atol=1e-12)
+        y = outputs[1][0]
+        if y.dim() == dims and y.numel():
+            assert y.is_contiguous(memory_format=fmt if expected else torch.contiguous_format), type(layer).__name__

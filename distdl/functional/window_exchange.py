@@ -32,6 +32,7 @@ from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
+from distdl.utilities.torch import memory_format
 
 __all__ = ["window_exchange", "window_scatter_add"]
 
@@ -209,10 +210,11 @@ def _exchange(t, P_x, shape, windows, forward):
     plan = _plan(P_x, shape, windows)
     incoming, outgoing = (plan.recvs, plan.sends) if forward else (plan.sends, plan.recvs)
     side = 2 if forward else 1  # where pieces lie in my output: window slices forward, block slices adjoint
-    if forward:
-        out = t.new_empty(tuple(b - a for a, b in windows[P_x.rank]))
-    else:
-        out = (t.new_empty if plan.covered else t.new_zeros)(tuple(b - a for a, b in plan.block))
+    # In t's memory format (channels_last stays so through convolutions and pooling, as with torch's).
+    out = torch.empty(tuple(b - a for a, b in (windows[P_x.rank] if forward else plan.block)), dtype=t.dtype,
+                      device=t.device, memory_format=memory_format(t))
+    if not (forward or plan.covered):
+        out.zero_()
     # Where MPI cannot take t's memory, only the pieces that travel go through (pinned) host memory.
     staged = cuda.staging(t)
     requests, received = [], []

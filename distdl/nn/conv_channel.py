@@ -43,6 +43,7 @@ from distdl.nn.linear import global_block, shared_seed, uniform
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_subshape
+from distdl.utilities.torch import in_format
 
 __all__ = ["DistributedChannelConv1d", "DistributedChannelConv2d", "DistributedChannelConv3d"]
 
@@ -172,7 +173,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             x_w = self._local(x_w)
         else:  # a double backward reaches the broadcast here too, as on P_w (see idle_output)
             x_w = idle_output(x_w)
-        return sum_reduce(x_w, self._W, self._Y)
+        return in_format(sum_reduce(x_w, self._W, self._Y), x)  # channels_last stays so, as with torch's
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """Return this worker's partial sum: its input block convolved with its weight block (plus bias)."""

@@ -143,7 +143,7 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
                 inside = mask if inside is None else inside & mask
         lowest = -torch.inf if window.is_floating_point() else torch.iinfo(window.dtype).min
         if inside is not None:
-            window = window.masked_fill(~inside, lowest)
+            window = torch.where(inside, window, lowest)  # keeps channels_last (masked_fill does not)
         padding = plan.padding
         if any(padding) and any(d > 1 for d in self.dilation) and self._wholly_outside(plan):
             # A dilated window may lie wholly in torch's padding, where torch's index points past the input and its

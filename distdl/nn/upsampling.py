@@ -29,6 +29,7 @@ import torch
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn import _windows
 from distdl.partition import MPIPartition
+from distdl.utilities.torch import in_format
 
 __all__ = ["DistributedUpsample"]
 
@@ -179,7 +180,7 @@ class DistributedUpsample(torch.nn.Module):
             lambda0, lambda1 = (torch.from_numpy(s).to(x.device, x.dtype).to(compute).view(view) for s in sources[2:])
             y = y.to(compute)
             y = y.index_select(dim, index[0]) * lambda0 + y.index_select(dim, index[1]) * lambda1
-        return y.to(x.dtype)
+        return in_format(y.to(x.dtype), x)  # channels_last stays so, as with torch's
 
     def extra_repr(self) -> str:
         # as torch's: the size or the scale factor (whichever was given), the mode; then what else was given

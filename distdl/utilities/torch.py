@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["eager_when_compiled", "zero_volume_tensor"]
+__all__ = ["eager_when_compiled", "in_format", "memory_format", "zero_volume_tensor"]
 
 
 def eager_when_compiled(function):
@@ -19,6 +19,23 @@ def eager_when_compiled(function):
     def run(*args, **kwargs):
         return eager(*args, **kwargs) if torch.compiler.is_compiling() else function(*args, **kwargs)
     return run
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def memory_format(t: torch.Tensor) -> torch.memory_format:
+    """Return the memory format torch's convolutions and pooling keep for an input ``t``: channels_last (or its 3-d
+    form) where ``t`` is laid out so and not also plainly contiguous, else contiguous."""
+    cl = _CHANNELS_LAST.get(t.dim())
+    return cl if cl is not None and not t.is_contiguous() and t.is_contiguous(memory_format=cl) else \
+        torch.contiguous_format
+
+
+def in_format(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Return ``y`` in ``like``'s memory format (see :func:`memory_format`), copied only where it differs."""
+    layout = memory_format(like)
+    return y if layout is torch.contiguous_format or y.dim() != like.dim() else y.contiguous(memory_format=layout)
 
 
 def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, requires_grad: bool = False,
