@@ -229,6 +229,27 @@ def test_workers_outside_get_the_members_dtype(P_world, comm):
         assert loss.dtype == expected, f"rank {comm.rank}: {layer.__name__} gave {loss.dtype}, torch {expected}"
 
 
+@sizes(1, 2, 3)
+def test_a_complex_or_integer_loss_is_refused_where_a_sum_would_change_it(P_world, comm):
+    """A complex Poisson loss lost its imaginary part in the float64 sum (silently); an integer L1 loss's mean was
+    truncated where torch refuses it. Every member raises; 'sum' of integers and 'none' stay torch's."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size,))
+    x, t = random_tensor((5,), seed=comm.rank), random_tensor((5,), seed=comm.rank + 7)
+    with pytest.raises(TypeError, match=r"DistributedPoissonNLLLoss: expected inputs whose loss is real for reduction "
+                                        r"'mean', got a torch.complex128 loss from torch.complex128 input"):
+        losses.DistributedPoissonNLLLoss(P_x)(torch.complex(x, t), torch.complex(t, x))
+    i, j = (10 * x).long(), (10 * t).long()
+    with pytest.raises(TypeError, match=r"DistributedL1Loss: expected floating-point inputs for reduction 'mean' "
+                                        r"\(as torch's\), got torch.int64"):
+        losses.DistributedL1Loss(P_x)(i, j)
+    i_all, j_all = (torch.cat([(10 * random_tensor((5,), seed=r + k)).long() for r in range(comm.size)])
+                    for k in (0, 7))
+    total = losses.DistributedL1Loss(P_x, reduction="sum")(i, j)
+    assert total.dtype == torch.int64 and total == F.l1_loss(i_all, j_all, reduction="sum")
+    none = losses.DistributedPoissonNLLLoss(P_x, reduction="none")(torch.complex(x, t), torch.complex(t, x))
+    torch.testing.assert_close(none, F.poisson_nll_loss(torch.complex(x, t), torch.complex(t, x), reduction="none"))
+
+
 @sizes(2, 3)
 def test_check_mode_an_input_that_is_not_a_dense_tensor_on_one_worker(P_world, comm):
     """A sparse input or a list on worker 1: in check mode every member raises (the others waited in the sum); so

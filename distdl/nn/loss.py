@@ -110,6 +110,12 @@ class _DistributedLoss(torch.nn.Module):
         try:
             self._check_block(name, input, target)
             losses = self._elementwise(input, target)
+            if losses.is_complex():  # the float64 sum would drop the imaginary part
+                raise TypeError(f"{name}: expected inputs whose loss is real for reduction {self.reduction!r}, got "
+                                f"a {losses.dtype} loss from {input.dtype} input")
+            if self.reduction != "sum" and not losses.is_floating_point():  # torch's mean refuses them too
+                raise TypeError(f"{name}: expected floating-point inputs for reduction {self.reduction!r} (as "
+                                f"torch's), got {input.dtype}")
             at_batch_start = all(i == 0 for i in self.P_x.index[1:])
             count = torch.as_tensor(self._count(input, target), dtype=torch.float64, device=input.device)
             batch = torch.tensor(float(input.shape[0] if at_batch_start else 0), dtype=torch.float64,
