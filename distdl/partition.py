@@ -438,7 +438,7 @@ class MPIPartition:
         """Whether this worker is a member; ValueError once the partition was freed (its members would read as
         outside it)."""
         if self._freed:
-            self._check_live("MPIPartition.active")
+            self._check_live("MPIPartition")
         return self._comm != MPI.COMM_NULL
 
     @property

@@ -879,6 +879,43 @@ def test_a_second_backward_in_a_step_leaves_what_the_first_reduced(P_world, comm
             torch.testing.assert_close(p.grad, q.grad / (comm.size if op == "avg" else 1), rtol=1e-12, atol=1e-12)
 
 
+@sizes(2, 3)
+def test_a_second_backward_reaching_a_parameter_on_some_workers_with_avg(P_world, comm):
+    """With op="avg", a second backward in a step that reaches a parameter on worker 0 only averages each worker's
+    share of the first's average in again: g + dA / P (leaving it out gave (g + dA) / P, silently)."""
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.a, self.b = torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 3).double()
+
+        def forward(self, x, use_a=True):
+            return self.b(x).tanh().sum() + (self.a(x).square().sum() if use_a else 0)
+
+    wrapped = DataParallel(Heads(), P_world, op="avg")
+    x = random_tensor((2, 4), seed=comm.rank)
+    wrapped(x).backward()
+    wrapped(2 * x, use_a=comm.rank == 0).backward()
+    sequential = Heads()
+    for r in range(comm.size):
+        x_r = random_tensor((2, 4), seed=r)
+        ((sequential(x_r) + sequential(2 * x_r, use_a=r == 0)) / comm.size).backward()
+    for p, q in zip(wrapped.module.parameters(), sequential.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+@sizes(2, 3)
+def test_a_backward_after_the_partition_was_freed(P_world, comm):
+    """DataParallel reduces on a communicator of its own: a backward through a forward made before P.free() went on
+    reducing silently; it raises on every worker, as the primitives' backward do."""
+    P = P_world.create_partition_inclusive(range(comm.size))
+    wrapped = DataParallel(torch.nn.Linear(3, 2).double(), P)
+    loss = wrapped(random_tensor((2, 3), seed=comm.rank)).sum()
+    P.free()
+    with pytest.raises(ValueError, match=r"DataParallel \(backward\): the partition of shape .* was freed"):
+        loss.backward()
+
+
 @sizes(1, 2)
 def test_errors(P_world, comm):
     model = _mlp(0)

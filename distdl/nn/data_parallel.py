@@ -350,26 +350,31 @@ class DataParallel(torch.nn.Module):
         """Complete every outstanding reduction (done at the end of backward; idempotent)."""
         if not self._in_flight:
             return
-        # Buckets with a parameter this backward did not reach. Where its gradient is still the one the last
-        # reduction wrote (a second backward in a step: another head, backward(inputs=...)), it counts as absent,
-        # and stays as it is where it is absent on every member (reduced again, a sum would be P.size times it).
+        # Buckets with a parameter this backward did not reach. With op="sum", where its gradient is still the one
+        # the last reduction wrote (a second backward in a step: another head, backward(inputs=...)), it counts as
+        # absent, and stays as it is where it is absent on every member (summed again, it would be P.size times
+        # that). With op="avg" it takes part: where some member's backward reached it, each member's share of the
+        # average so far is in the new average (and averaging it again alone leaves it as it is).
         left = {id(p) for p, (grad, version) in ((p, self._written[id(p)]) for b in self._buckets[self._next:]
                                                   for p in b.params if id(p) in self._written)
-                if grad() is p.grad and p.grad._version == version}
+                if grad() is p.grad and p.grad._version == version}  # recorded with op="sum" only
         for index in range(self._next, len(self._buckets)):
             self._buckets[index].start(self._comm, self._claimed, self._divisor, left)
         self._next = len(self._buckets)
         _complete(self._buckets)
         self._in_flight = False
-        self._written = {id(p): (weakref.ref(p.grad), p.grad._version)  # as the reduction left them
-                         for b in self._buckets for p in b.params if p.grad is not None}
+        if self.op == "sum":  # as the reduction left them
+            self._written = {id(p): (weakref.ref(p.grad), p.grad._version)
+                             for b in self._buckets for p in b.params if p.grad is not None}
 
     def _gradient_ready(self, p: torch.Tensor, index: int, incoming: torch.Tensor | None) -> None:
         # op="sum": the first backward after a reduction, in no_sync() too, must not accumulate onto the sum. Its
         # gradient was written once since (zero_() writes once more); if only through .data (unseen by the version
         # counter: p.grad.data.zero_()), the gradient is the incoming one alone.
+        if self.P._freed:  # reduced on a communicator of its own, the sums would go on silently
+            self.P._check_live("DataParallel (backward)")
         written = self._written.pop(id(p), None) if self._written else None
-        if (self.op == "sum" and written is not None and p.grad is not None and written[0]() is p.grad
+        if (written is not None and p.grad is not None and written[0]() is p.grad
                 and p.grad._version == written[1] + 1 and not _alone(p.grad, incoming)):
             raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
                                "backward that accumulated onto the last reduced gradient (it would be summed "
