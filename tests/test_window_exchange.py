@@ -130,3 +130,7 @@ def test_channels_last_stays_channels_last(P_world, comm):
         y = outputs[1][0]
         if y.dim() == dims and y.numel():
             assert y.is_contiguous(memory_format=fmt if expected else torch.contiguous_format), type(layer).__name__
+    # through an empty block: a pooling that leaves worker 1 no rows (3 workers), an upsampling that gives it one
+    pool, up = dnn.DistributedMaxPool2d(P_4, 2), dnn.DistributedUpsample(P_4, scale_factor=2)
+    y = up(pool(scatter(random_tensor((2, 3, 3, 5), seed=3), P_4).contiguous(memory_format=torch.channels_last)))
+    assert not y.numel() or y.is_contiguous(memory_format=torch.channels_last)

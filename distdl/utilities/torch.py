@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["eager_when_compiled", "in_format", "memory_format", "zero_volume_tensor"]
+__all__ = ["eager_when_compiled", "empty_block", "in_format", "memory_format", "zero_volume_tensor"]
 
 
 def eager_when_compiled(function):
@@ -28,8 +28,17 @@ def memory_format(t: torch.Tensor) -> torch.memory_format:
     """Return the memory format torch's convolutions and pooling keep for an input ``t``: channels_last (or its 3-d
     form) where ``t`` is laid out so and not also plainly contiguous, else contiguous."""
     cl = _CHANNELS_LAST.get(t.dim())
-    return cl if cl is not None and not t.is_contiguous() and t.is_contiguous(memory_format=cl) else \
-        torch.contiguous_format
+    if cl is None:
+        return torch.contiguous_format
+    if not t.numel():  # every layout of an empty tensor is contiguous: tell by the strides
+        strides = [torch.empty(t.shape, device="meta", memory_format=f).stride() for f in (cl, torch.contiguous_format)]
+        return cl if t.stride() == strides[0] != strides[1] else torch.contiguous_format
+    return cl if not t.is_contiguous() and t.is_contiguous(memory_format=cl) else torch.contiguous_format
+
+
+def empty_block(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Return a zero-volume output block of ``shape`` in ``like``'s memory format (and device; ``dtype`` or its)."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=memory_format(like))
 
 
 def in_format(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
