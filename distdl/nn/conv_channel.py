@@ -43,7 +43,7 @@ from distdl.nn.linear import global_block, shared_seed, uniform
 from distdl.nn.module import CollectStateMixin, StateLayout
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_subshape
-from distdl.utilities.torch import empty_block, in_format
+from distdl.utilities.torch import in_format, zeros_block
 
 __all__ = ["DistributedChannelConv1d", "DistributedChannelConv2d", "DistributedChannelConv3d"]
 
@@ -187,7 +187,7 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             _windows.sliding_length(n, k, s, left, right, dl)
             for n, k, s, (left, right), dl in zip(x.shape[2:], self.kernel_size, self.stride, pads, self.dilation))
         if x.numel() == 0 or weight.numel() == 0 or 0 in shape:  # still joined to the graph
-            return _windows.connect(empty_block(shape, x, _windows.conv_dtype(x, weight)), x, weight, bias)
+            return _windows.connect(zeros_block(shape, x, _windows.conv_dtype(x, weight)), x, weight, bias)
         if self.padding_mode == "zeros" and all(left == right for left, right in pads):
             return _CONV[self.dims](x, weight, bias, self.stride, tuple(left for left, _ in pads), self.dilation)
         flat_pads = tuple(p for pair in reversed(pads) for p in pair)

@@ -35,7 +35,7 @@ from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn import _windows
 from distdl.nn.module import CollectStateMixin
 from distdl.partition import MPIPartition
-from distdl.utilities.torch import empty_block
+from distdl.utilities.torch import zeros_block
 
 __all__ = ["DistributedFeatureConv1d", "DistributedFeatureConv2d", "DistributedFeatureConv3d"]
 
@@ -149,7 +149,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
             weight, bias = flat[:weight.numel()].view_as(weight), None if bias is None else flat[weight.numel():]
         shape = tuple(b - a for a, b in plan.block)
         if 0 in shape:  # still joined to the graph: its backward takes part in the collectives
-            return _windows.connect(empty_block(shape, x, _windows.conv_dtype(window, weight)), window, weight,
+            return _windows.connect(zeros_block(shape, x, _windows.conv_dtype(window, weight)), window, weight,
                                     bias)
         return _CONV[self.dims](window, weight, bias, self.stride, plan.padding, self.dilation, self.groups)
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn import _windows
 from distdl.partition import MPIPartition
-from distdl.utilities.torch import empty_block
+from distdl.utilities.torch import zeros_block
 
 __all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
@@ -135,7 +135,7 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
         if plan is None:
             return window
         if 0 in shape:
-            return _windows.connect(empty_block(shape, x, _pooled_dtype(x, _MAX[self.dims])), window)
+            return _windows.connect(zeros_block(shape, x, _pooled_dtype(x, _MAX[self.dims])), window)
         inside = None
         for k, ((a, b), n) in enumerate(zip(plan.window[2:], plan.x_shape[2:])):
             if a < 0 or b > n:
@@ -207,7 +207,7 @@ class _DistributedAvgPoolNd(_DistributedPoolNd):
         if plan is None:
             return window
         if 0 in shape:
-            return _windows.connect(empty_block(shape, x, _pooled_dtype(x, _AVG[self.dims])), window)
+            return _windows.connect(zeros_block(shape, x, _pooled_dtype(x, _AVG[self.dims])), window)
         compute = torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
         window = window.to(compute)
         if self.dims == 1:  # a sum pooling: torch's average with divisor 1

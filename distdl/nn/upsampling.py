@@ -29,7 +29,7 @@ import torch
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn import _windows
 from distdl.partition import MPIPartition
-from distdl.utilities.torch import empty_block, in_format
+from distdl.utilities.torch import in_format, zeros_block
 
 __all__ = ["DistributedUpsample"]
 
@@ -167,7 +167,7 @@ class DistributedUpsample(torch.nn.Module):
                                       lambda k, n, length, o0, o1: self._source(k, n, length, o0, o1, x.dtype))
         shape = tuple(b - a for a, b in plan.block)
         if 0 in shape:
-            return _windows.connect(empty_block(shape, x), window, reads_input=False)
+            return _windows.connect(zeros_block(shape, x), window, reads_input=False)
         y, compute = window, torch.promote_types(x.dtype, torch.float32) if x.is_floating_point() else x.dtype
         for k in reversed(range(self.P_x.dim - 2)):  # the last dimension first, as torch
             dim, (o0, o1), start = 2 + k, plan.block[2 + k], plan.window[2 + k][0]

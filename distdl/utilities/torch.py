@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-__all__ = ["eager_when_compiled", "empty_block", "in_format", "memory_format", "zero_volume_tensor"]
+__all__ = ["eager_when_compiled", "in_format", "memory_format", "zero_volume_tensor", "zeros_block"]
 
 
 def eager_when_compiled(function):
@@ -36,9 +36,10 @@ def memory_format(t: torch.Tensor) -> torch.memory_format:
     return cl if not t.is_contiguous() and t.is_contiguous(memory_format=cl) else torch.contiguous_format
 
 
-def empty_block(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Return a zero-volume output block of ``shape`` in ``like``'s memory format (and device; ``dtype`` or its)."""
-    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=memory_format(like))
+def zeros_block(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Return zeros of ``shape`` in ``like``'s memory format (and device; ``dtype`` or its), for an output block
+    with nothing to compute (often zero-volume)."""
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device, memory_format=memory_format(like)).zero_()
 
 
 def in_format(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
