@@ -1101,11 +1101,12 @@ def test_sum_of_an_accumulated_gradient_raises(P_world, comm):
     ((wrapped(x) - y) ** 2).sum().backward()
     expected = _grads(_mlp(6), *(torch.cat(t) for t in zip(*(_batch(2, 60 + r) for r in range(comm.size)))))
     _assert_grads(wrapped, expected)
-    with wrapped.no_sync():  # a first micro-batch onto the reduced gradients raises too (it went unchecked)
-        loss = ((wrapped(x) - y) ** 2).sum()
-        with pytest.raises(RuntimeError, match="accumulated onto the last reduced") if comm.size > 1 else \
-                contextlib.nullcontext():
-            loss.backward()
+    with wrapped.no_sync():  # a first micro-batch onto the reduced gradients: the next reduction raises
+        ((wrapped(x) - y) ** 2).sum().backward()
+    loss = ((wrapped(x) - y) ** 2).sum()
+    with pytest.raises(RuntimeError, match="accumulated onto the last reduced") if comm.size > 1 else \
+            contextlib.nullcontext():
+        loss.backward()
     for p in wrapped.parameters():  # zeroed through .data, unseen by the version counter: no error (there was one)
         p.grad.data.zero_()
     ((wrapped(x) - y) ** 2).sum().backward()
@@ -1115,6 +1116,46 @@ def test_sum_of_an_accumulated_gradient_raises(P_world, comm):
     for _ in range(2):  # accumulates: mean(A + g_r) = A + mean(g_r)
         ((averaged(x) - y) ** 2).sum().backward()
     _assert_grads(averaged, [2 * g / comm.size for g in expected])
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("how", ["second backward", "micro-batch", "micro-batch, then zeroed"])
+def test_an_accumulated_gradient_on_some_workers_raises_on_every_worker(P_world, comm, how):
+    """op='sum': a backward onto the last reduced gradients on worker 0 only (a second backward in the step
+    reaching a head there alone; or, in no_sync(), a micro-batch where worker 0 alone did not zero them) raised on
+    worker 0 alone, and the others waited for it. Every worker raises at the end of the backward that reduces
+    (none where the gradients were set to None before it), and the next step is exact."""
+    class Heads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(4)
+            self.a, self.b = torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 3).double()
+
+        def forward(self, x, use_a=True):
+            return self.b(x).tanh().sum() + (self.a(x).square().sum() if use_a else 0)
+
+    wrapped = DataParallel(Heads(), P_world, op="sum")
+    x = random_tensor((2, 4), seed=comm.rank)
+    wrapped(x).backward()
+    with contextlib.nullcontext() if how.endswith("zeroed") else pytest.raises(
+            RuntimeError, match="DataParallel: expected the gradients zeroed between steps with op='sum', got a "
+                                "backward that accumulated onto the last reduced gradient"):
+        if how.startswith("micro-batch"):
+            if comm.rank != 0:
+                wrapped.zero_grad()
+            with wrapped.no_sync():
+                wrapped(x).backward()
+            if how.endswith("zeroed"):
+                wrapped.zero_grad()
+            wrapped(x).backward()
+        else:
+            wrapped(2 * x, use_a=comm.rank == 0).backward()
+    wrapped.zero_grad()
+    wrapped(x).backward()
+    sequential = Heads()
+    sum(sequential(random_tensor((2, 4), seed=r)) for r in range(comm.size)).backward()
+    for p, q in zip(wrapped.module.parameters(), sequential.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
 
 
 @sizes(2, 3)

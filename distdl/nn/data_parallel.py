@@ -189,9 +189,10 @@ class DataParallel(torch.nn.Module):
     anyone can read ``.grad``.
     Zero the gradients between steps (as with ``torch.nn.parallel.DistributedDataParallel``)
     and call backward once per step, or accumulate in :meth:`no_sync`; with ``op="sum"``, a backward that
-    accumulates onto the last reduced gradients would sum them again: it raises RuntimeError where it finds them as
-    the last reduction left them (not after they were changed in place, by clipping say). Every member of ``P``
-    must run a backward through the module that reaches its parameters (a member whose output does not depend on
+    accumulates onto the last reduced gradients would sum them again: where a member finds them as the last
+    reduction left them (not after they were changed in place, by clipping say), the reduction at the end of that
+    backward (in :meth:`no_sync`, of the next backward that reduces, unless they were set to None since) raises
+    RuntimeError on every member. Every member of ``P`` must run a backward through the module that reaches its parameters (a member whose output does not depend on
     them leaves the others waiting; check mode names it at its next forward). For parameters on a GPU the hooks
     run in autograd's thread for the device: ``MPI_THREAD_SERIALIZED`` suffices with CUDA-aware MPI and one device
     per rank; staging through the host or several devices per rank need ``MPI_THREAD_MULTIPLE``
@@ -226,6 +227,7 @@ class DataParallel(torch.nn.Module):
         problem = self._plan_buckets(params)
         self._sync, self._forward_sync, self._in_flight, self._task = True, True, False, -1
         self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
+        self._accumulated: list[tuple] = []  # op="sum": (p, its .grad weakly) a backward accumulated onto reduced
         if not P.active or P.size == 1:
             return
         taken, anywhere = _taken(P, params)
@@ -334,7 +336,7 @@ class DataParallel(torch.nn.Module):
         for bucket in self._buckets[:started]:
             bucket.finish(write=False)
             bucket.drop_in_place()
-        self._next, self._in_flight = len(self._buckets), False
+        self._next, self._in_flight, self._accumulated = len(self._buckets), False, []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -359,13 +361,22 @@ class DataParallel(torch.nn.Module):
                                                   for p in b.params if id(p) in self._written)
                 if grad() is p.grad and p.grad._version == version}  # recorded with op="sum" only
         for index in range(self._next, len(self._buckets)):
-            self._buckets[index].start(self._comm, self._claimed, self._divisor, left)
+            self._buckets[index].start(self._comm, self._claimed, self._divisor, left, self._accumulating())
         self._next = len(self._buckets)
         _complete(self._buckets)
         self._in_flight = False
         if self.op == "sum":  # as the reduction left them
             self._written = {id(p): (weakref.ref(p.grad), p.grad._version)
                              for b in self._buckets for p in b.params if p.grad is not None}
+        # The last bucket started after any member found an accumulation (found for a parameter, it is flagged in
+        # that parameter's bucket and every later one): every member raises, after the sums every member started.
+        self._accumulated = []
+        if self._buckets[-1].flagged:
+            raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
+                               "backward that accumulated onto the last reduced gradient (it would be summed "
+                               "again: P.size times too large; the gradients are undefined now) on some member of "
+                               "P; zero them before each step's first backward (micro-batches in no_sync() "
+                               "accumulate after that)")
 
     def _gradient_ready(self, p: torch.Tensor, index: int, incoming: torch.Tensor | None) -> None:
         # op="sum": the first backward after a reduction, in no_sync() too, must not accumulate onto the sum. Its
@@ -376,10 +387,7 @@ class DataParallel(torch.nn.Module):
         written = self._written.pop(id(p), None) if self._written else None
         if (written is not None and p.grad is not None and written[0]() is p.grad
                 and p.grad._version == written[1] + 1 and not _alone(p.grad, incoming)):
-            raise RuntimeError("DataParallel: expected the gradients zeroed between steps with op='sum', got a "
-                               "backward that accumulated onto the last reduced gradient (it would be summed "
-                               "again: P.size times too large); zero them before each step's first backward "
-                               "(micro-batches in no_sync() accumulate after that)")
+            self._accumulated.append((p, weakref.ref(p.grad)))  # told to every member by the next reduction
         if not (self._sync and self._forward_sync):
             return
         _check_dense("DataParallel", p)
@@ -402,8 +410,13 @@ class DataParallel(torch.nn.Module):
         self._waiting[index] -= 1
         # Start buckets strictly in order, so every member issues the same sequence of collectives.
         while self._next < len(self._buckets) and self._waiting[self._next] == 0:
-            self._buckets[self._next].start(self._comm, self._claimed, self._divisor)
+            self._buckets[self._next].start(self._comm, self._claimed, self._divisor, flag=self._accumulating())
             self._next += 1
+
+    def _accumulating(self) -> bool:
+        """Whether a gradient that a backward accumulated onto its reduced value (in no_sync() too) is still its
+        parameter's (not set to None since: zero_grad())."""
+        return any(grad() is p.grad for p, grad in self._accumulated)
 
 
 # id of a parameter -> the live DataParallel reducing it (which holds the parameter, so the id stays its own)
@@ -475,7 +488,7 @@ def _remove(hooks: list) -> None:
 
 class _Bucket:
     """Gradients of several parameters of one dtype, flattened into one buffer for one reduction; or one
-    large gradient (``solo``), reduced in place. Beside it, one presence slot per parameter is summed."""
+    large gradient (``solo``), reduced in place. Beside it, one presence slot per parameter is summed, and a flag."""
 
     def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype) -> None:
         self.params, self.dtype = params, dtype
@@ -487,14 +500,16 @@ class _Bucket:
         self.scratch: torch.Tensor | None = None  # a row for a pairwise sum (transport.InPlaceSum), reused
         self.segments: list[torch.Tensor] = []  # of the flat buffer, one per parameter, shaped like it
         self.data: list[torch.Tensor] = []  # what is being reduced: the segments, or solo the gradient itself
-        self.presence = np.zeros(len(params), dtype=np.int64)
+        self.presence = np.zeros(len(params) + 1, dtype=np.int64)  # and last, how many members raised the flag
         self.counting: MPI.Request | None = None  # the sum of the presence counts
         self.sum: transport.InPlaceSum | None = None
 
-    def start(self, comm: MPI.Comm, claimed: set[int], divisor: int, absent: set[int] = frozenset()) -> None:
+    def start(self, comm: MPI.Comm, claimed: set[int], divisor: int, absent: set[int] = frozenset(),
+              flag: bool = False) -> None:
         """Copy the gradients in (zeros where there is none) and start the reduction, divided by ``divisor``.
         ``claimed``: addresses of gradients not to reduce in place (already reduced in place this round, or
-        shared by parameters); ``absent``: ids of parameters whose gradient counts as none."""
+        shared by parameters); ``absent``: ids of parameters whose gradient counts as none; ``flag``: raised
+        here (:attr:`flagged` once finished, if raised on any member)."""
         grads = [None if id(p) in absent else p.grad for p in self.params]
         with torch.no_grad():
             if self.solo:
@@ -510,10 +525,14 @@ class _Bucket:
                         segment.zero_() if g is None else segment.copy_(g)
                 else:
                     torch._foreach_copy_(self.segments, grads)
-        self.presence[:] = [g is not None for g in grads]
+        self.presence[:] = [g is not None for g in grads] + [flag]
         self.counting = comm.Iallreduce(MPI.IN_PLACE, self.presence, op=MPI.SUM)
         self.sum = transport.InPlaceSum(comm, summed, divisor, self.scratch)
         self.scratch = self.sum.scratch
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.presence[-1])
 
     def spread(self) -> None:
         """Continue the reduction (after every bucket has started; see ``transport.InPlaceSum``)."""
