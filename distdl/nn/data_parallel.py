@@ -192,8 +192,9 @@ class DataParallel(torch.nn.Module):
     accumulates onto the last reduced gradients would sum them again: where a member finds them as the last
     reduction left them (not after they were changed in place, by clipping say), the reduction at the end of that
     backward (in :meth:`no_sync`, of the next backward that reduces, unless they were set to None since) raises
-    RuntimeError on every member. Every member of ``P`` must run a backward through the module that reaches its parameters (a member whose output does not depend on
-    them leaves the others waiting; check mode names it at its next forward). For parameters on a GPU the hooks
+    RuntimeError on every member. Every member of ``P`` must run a backward through the module that reaches its
+    parameters (a member whose output does not depend on them leaves the others waiting; check mode names it at
+    its next forward). For parameters on a GPU the hooks
     run in autograd's thread for the device: ``MPI_THREAD_SERIALIZED`` suffices with CUDA-aware MPI and one device
     per rank; staging through the host or several devices per rank need ``MPI_THREAD_MULTIPLE``
     (see the GPU docs).
