@@ -674,7 +674,8 @@ def test_parameter_without_gradient(P_world, comm):
 
 
 class _MaybeGrad(torch.autograd.Function):
-    """``x * w``, whose backward gives ``w`` a gradient only where asked (None otherwise; w's accumulator still runs)."""
+    """``x * w``, whose backward gives ``w`` a gradient only where asked (None otherwise; w's accumulator still
+    runs)."""
 
     @staticmethod
     def forward(ctx, x, w, want):
