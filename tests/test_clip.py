@@ -255,3 +255,54 @@ def test_pruned_layers(P_world, comm):
     sequential.weight_orig.data.mul_(3)  # a checkpoint the layer does not hold yet: loaded as blocks
     layer.load_state_dict(sequential.state_dict() if comm.rank == 0 else {})
     torch.testing.assert_close(layer(scatter(z, P_f)), scatter(sequential(z), P_f), rtol=1e-12, atol=1e-12)
+
+
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("dim", [0, None])
+def test_hook_based_weight_norm(P_world, comm, dim):
+    """torch.nn.utils.weight_norm (the hook-based form) keeps a weight as weight_g and weight_v, which were taken
+    for replicated copies: the norm left out the other workers' blocks, a collected state dict held rank 0's
+    blocks under the global names, and check mode named the blocks as copies that differ. weight_v is laid out as
+    the weight, weight_g along dim (a scalar for the whole tensor's norm, which only one block equals)."""
+    import distdl
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    layer = DistributedLinearAllGather(P_f, 4, 6, collect_state=True).double()
+    sequential = torch.nn.Linear(4, 6).double()
+    sequential.load_state_dict(comm.bcast(layer.state_dict(), root=0))
+    for module in (layer, sequential):
+        torch.nn.utils.weight_norm(module, dim=dim)
+    z, u = random_tensor((3, 4), seed=3), random_tensor((3, 6), seed=4)
+    with distdl.checking():
+        if dim is None and comm.size > 1:  # each block's own norm, in copies of a scalar that differ
+            with pytest.raises(distdl.CollectiveMismatchError, match="weight_g"):
+                layer(scatter(z, P_f))
+            return
+        DistributedMSELoss(P_f)(layer(scatter(z, P_f)), scatter(u, P_f)).backward()
+    torch.nn.MSELoss()(sequential(z), u).backward()
+    norm = clip_grad_norm_(layer, 0.01, P_world)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.01), rtol=1e-12,
+                               atol=0)
+    for module in (layer, sequential):
+        torch.optim.SGD(module.parameters(), lr=1.0).step()
+    state = layer.state_dict()
+    assert sorted(state) == (["bias", "weight_g", "weight_v"] if comm.rank == 0 else [])
+    if comm.rank == 0:
+        for key, value in sequential.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    sequential.weight_g.data.mul_(3)  # a checkpoint the layer does not hold yet: loaded as blocks
+    layer.load_state_dict(sequential.state_dict() if comm.rank == 0 else {})
+    torch.testing.assert_close(layer(scatter(z, P_f)), scatter(sequential(z), P_f), rtol=1e-12, atol=1e-12)
+
+
+@sizes(2)
+def test_hook_based_spectral_norm_of_a_split_weight_is_refused(P_world, comm):
+    """torch.nn.utils.spectral_norm (hook-based) on a split weight keeps its power iteration's vectors per block
+    (weight_u, weight_v buffers): neither a norm nor a collected state dict can be the sequential layer's."""
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    layer = torch.nn.utils.spectral_norm(DistributedLinearAllGather(P_f, 4, 6, collect_state=True).double())
+    layer(random_tensor((3, 2), seed=comm.rank)).sum().backward()
+    expected = "expected no torch.nn.utils.spectral_norm on a tensor a distdl layer splits, got one on weight of "
+    with pytest.raises(ValueError, match="clip_grad_norm_: " + expected):
+        clip_grad_norm_(layer, 1.0, P_world)
+    with pytest.raises(ValueError, match="state_dict: " + expected):
+        layer.state_dict()

@@ -1,10 +1,13 @@
-"""torch's init functions run on every worker, those outside a layer's partition too (`model.apply(init)`)."""
+"""torch's init functions run on every worker, those outside a layer's partition too (`model.apply(init)`); a
+parametrized weight is computed once per forward, as in torch's layers."""
 
 import warnings
 
+import pytest
 import torch
 
 import distdl.nn as dnn
+from distdl.testing import random_tensor, scatter
 from helpers import sizes
 
 INITS = (torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_, torch.nn.init.kaiming_uniform_,
@@ -27,7 +30,8 @@ def test_fan_based_inits_work_outside_the_layers_partitions(P_world, comm):
         dnn.DistributedLinearAllGather(P_row, 12, 16), dnn.DistributedLinearReduceScatter(P_row, 12, 16),
         dnn.DistributedEmbedding(P_row, 10, 6),
         dnn.DistributedChannelConv2d(P_image, P_one_image, P_image.create_cartesian_topology_partition(
-            (1, n - 1, 1, 1)), 4, 6, 3)])
+            (1, n - 1, 1, 1)), 4, 6, 3),
+        dnn.DistributedLayerNorm(P_image.create_cartesian_topology_partition((1, 1, n - 1, 1)), (5, 4))])
     for layer in model:
         weight = layer.weight
         assert weight.dim() >= 2 and weight.shape[1] > 0, (type(layer).__name__, tuple(weight.shape))
@@ -36,3 +40,83 @@ def test_fan_based_inits_work_outside_the_layers_partitions(P_world, comm):
         for init in INITS:
             model.apply(lambda m: init(m.weight) if getattr(m, "weight", None) is not None and m.weight.dim() >= 2
                         else None)
+
+
+class _Counted(torch.nn.Module):
+    """An identity parametrization that counts its evaluations."""
+    calls = 0
+
+    def forward(self, w):
+        _Counted.calls += 1
+        return w
+
+
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("kind", ["linear", "feature conv", "channel conv", "batch norm"])
+def test_a_parametrized_weight_is_computed_once_per_forward(P_world, comm, kind):
+    """The input's dtype check read the weight before the forward read it again: a parametrization ran twice per
+    forward (spectral_norm's power iteration two steps, so u and the gradients drifted from torch's)."""
+    n = comm.size
+    P_one = P_world.create_partition_inclusive([0])
+    P_row, P_image = (P_world.create_cartesian_topology_partition(s) for s in ((1, n), (1, 1, n)))
+    P_channels = P_world.create_cartesian_topology_partition((1, n, 1))
+    layers = {"linear": (lambda: dnn.DistributedLinear(P_row, P_one.create_cartesian_topology_partition((1, 1)),
+                                                       P_row, 7, 5), torch.nn.Linear(7, 5), (3, 7), P_row),
+              "feature conv": (lambda: dnn.DistributedConv1d(P_image, 3, 4, 3, padding=1), torch.nn.Conv1d(3, 4, 3),
+                               (2, 3, 7), P_image),
+              "channel conv": (lambda: dnn.DistributedConv1d(P_channels, P_one.create_cartesian_topology_partition(
+                  (1, 1, 1)), P_channels, 5, 3, 3), torch.nn.Conv1d(5, 3, 3), (2, 5, 6), P_channels),
+              "batch norm": (lambda: dnn.DistributedBatchNorm(P_image, 3), torch.nn.BatchNorm1d(3), (2, 3, 7),
+                             P_image)}
+    make, sequential, shape, P_x = layers[kind]
+    layer = make()
+    for module in (layer, sequential):
+        torch.nn.utils.parametrize.register_parametrization(module, "weight", _Counted())
+    x = random_tensor(shape, seed=1, dtype=torch.float32)
+    _Counted.calls = 0
+    sequential(x)
+    expected, _Counted.calls = _Counted.calls, 0
+    layer(scatter(x, P_x))
+    assert expected == 1 and _Counted.calls == expected, kind
+
+
+@sizes(1, 2, 3)
+@pytest.mark.parametrize("how", ["device argument", "device context"])
+def test_deferred_initialisation_on_the_meta_device(P_world, comm, how):
+    """Built on the meta device (torch's deferred initialisation), then to_empty() and reset_parameters() from the
+    same seed, every layer holds what it holds built directly. The seed was drawn on the default device (no
+    values on meta: torch's error under `with torch.device("meta")`), the feature convolution broadcast its meta
+    parameters (mpi4py's "expecting non-NULL address"), and a forward on meta tensors failed inside torch."""
+    n = comm.size
+    P_one = P_world.create_partition_inclusive([0])
+    P_row, P_image = (P_world.create_cartesian_topology_partition(s) for s in ((1, n), (1, 1, n)))
+    P_channels = P_world.create_cartesian_topology_partition((1, n, 1))
+    builders = [lambda **f: dnn.DistributedLinear(P_row, P_one.create_cartesian_topology_partition((1, 1)), P_row,
+                                                  7, 5, **f),
+                lambda **f: dnn.DistributedLinearAllGather(P_row, 7, 5, **f),
+                lambda **f: dnn.DistributedLinearReduceScatter(P_row, 7, 5, **f),
+                lambda **f: dnn.DistributedEmbedding(P_row, 9, 6, **f),
+                lambda **f: dnn.DistributedConv1d(P_image, 3, 4, 3, **f),
+                lambda **f: dnn.DistributedConv1d(P_channels, P_one.create_cartesian_topology_partition((1, 1, 1)),
+                                                  P_channels, 5, 3, 3, **f),
+                lambda **f: dnn.DistributedBatchNorm(P_image, 3, **f),
+                lambda **f: dnn.DistributedLayerNorm(P_image, (3, 4), **f)]
+    for build in builders:
+        torch.manual_seed(1)
+        expected = build()
+        if how == "device argument":
+            layer = build(device="meta")
+        else:
+            with torch.device("meta"):
+                layer = build()
+        assert all(t.is_meta for t in layer.state_dict().values())
+        if isinstance(layer, dnn.DistributedLinearAllGather):
+            x = torch.empty(3, layer.weight.shape[1] if n == 1 else 7 // n + (comm.rank < 7 % n), device="meta")
+            with pytest.raises(TypeError, match="DistributedLinearAllGather: expected a tensor with values .MPI "
+                                                "moves them., got one on the meta device"):
+                layer(x)
+        layer.to_empty(device="cpu")
+        torch.manual_seed(1)
+        layer.reset_parameters()
+        for key, value in expected.state_dict().items():
+            torch.testing.assert_close(layer.state_dict()[key], value, rtol=0, atol=0, msg=key)

@@ -17,6 +17,9 @@ def check_tensor(where: str, x: object) -> None:
     if x.layout != torch.strided:
         raise TypeError(f"{where}: expected a dense (strided) tensor, got layout {x.layout}; densify it with "
                         ".to_dense()")
+    if x.is_meta:
+        raise TypeError(f"{where}: expected a tensor with values (MPI moves them), got one on the meta device; "
+                        "materialise the module first (module.to_empty(device=...), then reset_parameters())")
 
 
 def check_partition(where: str, name: str, P: object) -> None:

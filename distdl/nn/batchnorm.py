@@ -256,7 +256,8 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         name = type(self).__name__
         self._verify_replicas(name)
         check_tensor(name, x)
-        for t in (x, self.weight, self.bias):  # _BatchNorm would drop a forward-mode tangent (in eval mode)
+        weight, bias = self.weight, self.bias  # once: a parametrization computes them at each read
+        for t in (x, weight, bias):  # _BatchNorm would drop a forward-mode tangent (in eval mode)
             refuse_unsupported(name, t)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
@@ -277,7 +278,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
                 self._update_running_stats(mean, var, count)
         else:
             mean, var, count = self.running_mean, self.running_var, None
-        return _BatchNorm.apply(in_graph(x), self.weight, self.bias, mean, var, count, self.eps, self.P_x, self.axes)
+        return _BatchNorm.apply(in_graph(x), weight, bias, mean, var, count, self.eps, self.P_x, self.axes)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:

@@ -138,8 +138,9 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
     def _held_elsewhere(self) -> set[str]:
         return {"bias"} if self.use_bias and not self.holds_bias else set()  # column 0 of P_w holds the bias
 
-    def _check_block(self, name: str, x: torch.Tensor) -> None:
-        """Check this worker's block of ``x`` (a worker of ``P_x``; no communication)."""
+    def _check_block(self, name: str, x: torch.Tensor, dtype: torch.dtype) -> None:
+        """Check this worker's block of ``x`` (a worker of ``P_x``; no communication) against the weight's
+        ``dtype``."""
         where = f"on worker {self.P_x._root.rank}"
         if x.dim() != self.dims + 2:
             raise ValueError(f"{name}: expected a tensor of {self.dims + 2} dimensions, got shape {tuple(x.shape)} "
@@ -149,8 +150,8 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
             raise ValueError(f"{name}: expected {channels} channels (dimension 1: this worker's block of "
                              f"{self.in_channels} over P_x of shape {self.P_x.shape}), got shape {tuple(x.shape)} "
                              f"{where}")
-        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
-            raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
+        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
+            raise TypeError(f"{name}: expected a tensor of dtype {dtype} (the weight's), got {x.dtype}")
 
     def _replicated_settings(self) -> dict[str, object]:
         # the channel form exchanges no window, whose check would compare these
@@ -163,21 +164,22 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         self._verify_replicas(name)  # copies of a block along P_w's batch and spatial axes (the general convolution)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
+        weight = self.weight  # once: a parametrization computes it at each read
         if self.P_x.active:
-            self._check_block(name, x)
+            self._check_block(name, x, weight.dtype)
         else:
-            x = x.to(self.weight.dtype)
+            x = x.to(weight.dtype)
         x = in_graph(x)  # join the graph, so every worker runs backward
         x_w = broadcast(self._window(name, x), self._X, self._W)
         if self.P_w.active:
-            x_w = self._local(x_w)
+            x_w = self._local(x_w, weight)
         else:  # a double backward reaches the broadcast here too, as on P_w (see idle_output)
             x_w = idle_output(x_w)
         return in_format(sum_reduce(x_w, self._W, self._Y), x)  # channels_last stays so, as with torch's
 
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        """Return this worker's partial sum: its input block convolved with its weight block (plus bias)."""
-        weight, bias = self.weight, self.bias
+    def _local(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Return this worker's partial sum: its input block convolved with its ``weight`` block (plus bias)."""
+        bias = self.bias
         if self._replicated:  # copies of one block on several workers: their gradients are summed
             flat = torch.cat([weight.flatten()] + ([bias] if bias is not None else []))
             flat = all_sum_reduce_backward(flat, self.P_w, axes_reduce=self._replicated)
@@ -231,8 +233,8 @@ class _DistributedChannelConvNd(_BlockConvNd):
                              f"P_w {P_w.shape}")
         return P_x, P_w, regrid(P_y, (P_w.shape[0], 1) + ones), (0, 1)
 
-    def _check_block(self, name, x):
-        super()._check_block(name, x)
+    def _check_block(self, name, x, dtype):
+        super()._check_block(name, x, dtype)
         spatial = x.shape[2:]
         if any(_windows.sliding_length(n, k, s, left, right, dl) < 1 for n, k, s, (left, right), dl
                in zip(spatial, self.kernel_size, self.stride, self._pads, self.dilation)):

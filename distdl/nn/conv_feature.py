@@ -117,7 +117,7 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
             fan_in = self.weight.shape[1] * math.prod(self.kernel_size)
             bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
             torch.nn.init.uniform_(self.bias, -bound, bound)
-        if self.P_x.active and self.P_x.size > 1:
+        if self.P_x.active and self.P_x.size > 1 and not self.weight.is_meta:  # meta: no values to broadcast
             tensors = [t for t in (self.weight, self.bias) if t is not None]
             if check_mode():  # parameters built otherwise on one worker would broadcast mismatched messages
                 verify(type(self).__name__, self.P_x, agree={"parameters": [(t.shape, t.dtype) for t in tensors]})
@@ -137,12 +137,12 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         _windows.check_input(name, x, self.P_x, self.in_channels)
         if not self.P_x.active:
             return idle_output(x)  # backward runs here too
-        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
-            raise TypeError(f"{name}: expected a tensor of dtype {self.weight.dtype} (the weight's), got {x.dtype}")
+        weight, bias = self.weight, self.bias  # once: a parametrization computes them at each read
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
+            raise TypeError(f"{name}: expected a tensor of dtype {weight.dtype} (the weight's), got {x.dtype}")
         key = ("conv", self.kernel_size, self.stride, self._pads, self.dilation, self.out_channels)
         plan, window = _windows.fetch(name, x, self.P_x, key, self.out_channels, self._length, self._source,
                                       self.stride)
-        weight, bias = self.weight, self.bias
         if self.P_x.comm.size > 1 and torch.is_grad_enabled():  # one sum of the parameters' gradients
             flat = torch.cat([weight.flatten()] + ([bias] if bias is not None else []))
             flat = all_sum_reduce_backward(flat, self.P_x, axes_reduce=self.axes)

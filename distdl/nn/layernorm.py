@@ -83,8 +83,8 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
             self.bias.zero_()
 
     def _local_shape(self) -> tuple[int, ...]:
-        if not self.P_x.active:
-            return (0,) * len(self.normalized_shape)
+        if not self.P_x.active:  # empty, with the trailing extents: a fan for xavier_* (see [1] in linear.py)
+            return (0,) + self.normalized_shape[1:]
         return tuple(int(n) for n in compute_subshape([self.P_x.shape[a] for a in self.axes],
                                                       [self.P_x.index[a] for a in self.axes], self.normalized_shape))
 

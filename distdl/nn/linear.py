@@ -52,7 +52,7 @@ def shared_seed(P: MPIPartition) -> int:
 
     Every worker draws once, so the default generators of all workers advance alike.
     """
-    seed = int(torch.randint(0, 2**62, (1,)).item())
+    seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())  # also under `with torch.device("meta")`
     if P.active and P.size > 1:
         seed = int(P.broadcast_data(seed))
     return seed
@@ -174,6 +174,7 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
         name = "DistributedLinear"
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
+        weight = self.weight  # once: a parametrization computes it at each read
         if self.P_x.active:
             local = int(compute_subshape(self.P_x.shape, self.P_x.index, (1, self.in_features))[1])
             if x.dim() != 2 or x.shape[1] != local:
@@ -181,12 +182,12 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
                                  f"{self.in_features} features over P_x of shape {self.P_x.shape}), got shape "
                                  f"{tuple(x.shape)} on worker {self.P_x._root.rank}")
             # else F.linear raises on the workers of P_w, after the broadcast (autocast casts both)
-            if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
-                raise TypeError(f"{name}: expected an input of the parameters' dtype {self.weight.dtype}, got "
+            if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+                raise TypeError(f"{name}: expected an input of the parameters' dtype {weight.dtype}, got "
                                 f"{x.dtype} on worker {self.P_x._root.rank}")
         x_w = broadcast(x, self.P_x, self.P_w)
         if self.P_w.active:
-            x_w = torch.nn.functional.linear(x_w, self.weight, self.bias)
+            x_w = torch.nn.functional.linear(x_w, weight, self.bias)
         else:  # a double backward reaches the broadcast here too, as on P_w (see idle_output)
             x_w = idle_output(x_w)
         return sum_reduce(x_w, self.P_w, self.P_y, transpose_dest=True)

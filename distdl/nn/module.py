@@ -45,6 +45,8 @@ from collections.abc import Sequence
 import torch
 from mpi4py import MPI
 from torch.nn.utils import prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional.all_sum_reduce import fibre
@@ -101,9 +103,16 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
     """Raise ValueError for a distdl layer whose parameters torch.nn.utils.parametrize has moved: their blocks'
     layouts are known by the parameters' names, so the blocks under the new names could not be gathered or
     counted once (they were taken for replicated copies, silently)."""
-    if isinstance(module, CollectStateMixin) and torch.nn.utils.parametrize.is_parametrized(module):
+    if not isinstance(module, CollectStateMixin):
+        return
+    if torch.nn.utils.parametrize.is_parametrized(module):
         raise ValueError(f"{where}: expected no torch.nn.utils.parametrize parametrization (weight_norm, "
                          f"spectral_norm...) on a distdl layer's parameters, got one on {type(module).__name__}")
+    split = module._state_layouts()
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, SpectralNorm) and hook.name in split:  # its power iteration's vectors are the block's
+            raise ValueError(f"{where}: expected no torch.nn.utils.spectral_norm on a tensor a distdl layer splits, "
+                             f"got one on {hook.name} of {type(module).__name__}")
 
 
 def parameter_layouts(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, StateLayout | None]]:
@@ -172,7 +181,9 @@ class CollectStateMixin:
 
     def _layouts(self) -> dict[str, StateLayout]:
         """Return :meth:`_state_layouts`, with the names ``torch.nn.utils.prune`` keeps a pruned tensor under (the
-        original ``<name>_orig``, a parameter, and ``<name>_mask``, a buffer), each laid out as that tensor."""
+        original ``<name>_orig``, a parameter, and ``<name>_mask``, a buffer), each laid out as that tensor, and
+        those of the hook-based ``weight_norm`` (``<name>_v`` as that tensor, ``<name>_g`` along its ``dim``) and
+        ``spectral_norm`` (``<name>_orig``; see :func:`check_unparametrized` for its vectors)."""
         layouts = self._state_layouts()
         dim = self._state_partition().dim
         for name, layout in layouts.items():  # the same on every worker: wrong ones raise on all
@@ -185,6 +196,17 @@ class CollectStateMixin:
             if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name in layouts:
                 name = hook._tensor_name
                 layouts[name + "_orig"] = layouts[name + "_mask"] = layouts[name]
+            elif isinstance(hook, SpectralNorm) and hook.name in layouts:
+                layouts[hook.name + "_orig"] = layouts[hook.name]
+            elif isinstance(hook, WeightNorm) and hook.name in layouts:
+                layout = layouts[hook.name + "_v"] = layouts[hook.name]
+                if hook.dim == -1:  # the norm of the whole tensor, a scalar
+                    layouts[hook.name + "_g"] = StateLayout(())
+                else:  # one norm per slice along dim
+                    keep = [d == hook.dim for d in range(len(layout.axes))]
+                    layouts[hook.name + "_g"] = StateLayout([n if k else 1 for n, k in zip(layout.global_shape, keep)],
+                                                            [a if k else None for a, k in zip(layout.axes, keep)],
+                                                            layout.first)
         return layouts
 
     def _parameter_layouts(self) -> list[tuple[str, torch.Tensor, StateLayout]]:
