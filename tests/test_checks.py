@@ -162,6 +162,30 @@ def test_a_skipped_backward_of_a_ring_is_named(P_world, comm, ring):
 
 
 @sizes(2, 3)
+@pytest.mark.parametrize("op", ["window_exchange", "window_scatter_add"])
+def test_a_skipped_backward_of_a_window_exchange_is_named(P_world, comm, op):
+    """The adjoint of a window exchange is recorded as its backward: it was recorded as the forward call, so a
+    rank that skipped the backward and exchanged windows forward paired with it unnamed (silently wrong data there,
+    a timeout on the other)."""
+    n = comm.size
+    P = P_world.create_cartesian_topology_partition((n,))
+    blocks = [(2 * r, 2 * r + 2) for r in range(n)]
+    windows = tuple(((a - 1, b + 1),) for a, b in blocks)
+    block, window = torch.rand(2, requires_grad=True), torch.rand(4, requires_grad=True)
+    x = block if op == "window_exchange" else window
+    call = getattr(distdl.functional, op)
+    with checking():
+        y = call(x, P, (2 * n,), windows)
+        with pytest.raises(CollectiveMismatchError) as info:
+            if comm.rank == 0:
+                y.backward(torch.rand(y.shape))
+            else:
+                call(x.detach(), P, (2 * n,), windows)
+    groups = {f"{op} (backward)": [0], op: list(range(1, n))}
+    assert f"ranks disagree on primitive: {_clause(groups)}" in str(info.value)
+
+
+@sizes(2, 3)
 def test_a_call_that_fails_its_checks_on_one_worker(P_world, comm):
     """Worker 1's input fails the local checks (a bool sum, a tensor of another dimension): it still takes part in
     the call's check, so every worker raises, and the next call pairs with the next call (it used to pair with the

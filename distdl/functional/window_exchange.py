@@ -55,9 +55,7 @@ def window_exchange(x: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple[in
         ValueError: wrong dimensionality, a block that does not match ``x_global_shape``,
             windows of the wrong count or dimension, or data outside ``P_x``.
     """
-    x_global_shape, windows = _check("window_exchange", x, P_x, x_global_shape, windows, "block")
-    verify("window_exchange", P_x, agree=_facts(x, x_global_shape, windows))
-    return _Window.apply(in_graph(x), P_x, x_global_shape, windows, True)
+    return _window("window_exchange", x, P_x, x_global_shape, windows, True)
 
 
 @cuda.host_staged(whole=False)  # stages the pieces that travel (_exchange)
@@ -70,9 +68,15 @@ def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple
         y: this worker's window, of the shape its entry of ``windows`` gives.
         P_x, x_global_shape, windows: as for :func:`window_exchange`.
     """
-    x_global_shape, windows = _check("window_scatter_add", y, P_x, x_global_shape, windows, "window")
-    verify("window_scatter_add", P_x, agree=_facts(y, x_global_shape, windows))
-    return _Window.apply(in_graph(y), P_x, x_global_shape, windows, False)
+    return _window("window_scatter_add", y, P_x, x_global_shape, windows, False)
+
+
+def _window(where: str, t: torch.Tensor, P_x: MPIPartition, shape, windows, forward: bool) -> torch.Tensor:
+    """:func:`window_exchange` (``forward``) or :func:`window_scatter_add` of ``t``, checked and recorded (check mode)
+    as ``where`` (an adjoint run by backward as such: "... (backward)")."""
+    shape, windows = _check(where, t, P_x, shape, windows, "block" if forward else "window")
+    verify(where, P_x, agree=_facts(t, shape, windows))
+    return _Window.apply(in_graph(t), P_x, shape, windows, forward)
 
 
 def _facts(x, shape, windows) -> dict:
@@ -261,8 +265,8 @@ class _Window(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         begin_backward(ctx, grad, ctx.args[0])
-        adjoint = window_scatter_add if ctx.forward_direction else window_exchange
-        return adjoint(grad, *ctx.args), None, None, None, None
+        where = ("window_exchange" if ctx.forward_direction else "window_scatter_add") + " (backward)"
+        return _window(where, grad, *ctx.args, not ctx.forward_direction), None, None, None, None
 
 
 def global_shape(x: torch.Tensor, P_x: MPIPartition) -> tuple[int, ...]:
