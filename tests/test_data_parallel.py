@@ -833,7 +833,8 @@ def test_no_sync_accumulates_locally(P_world, comm):
 
 @sizes(2)
 def test_no_sync_around_the_forward_alone(P_world, comm):
-    """As with DDP, a forward run in no_sync() is not reduced where its backward runs outside it."""
+    """As with DDP, the forward decides: a forward run in no_sync() is not reduced where its backward runs outside
+    it, and one run outside is reduced where its backward runs inside (it was not)."""
     x, y = _batch(2, seed=50 + comm.rank)
     wrapped = DataParallel(_mlp(5), P_world, op="sum")
     with wrapped.no_sync():
@@ -843,6 +844,11 @@ def test_no_sync_around_the_forward_alone(P_world, comm):
     ((wrapped(x) - y) ** 2).sum().backward()  # accumulates onto the local gradient, then reduces the total
     expected = _grads(_mlp(5), *(torch.cat(t) for t in zip(_batch(2, 50), _batch(2, 51))))
     _assert_grads(wrapped, [2 * g for g in expected])
+    wrapped.zero_grad()
+    loss = ((wrapped(x) - y) ** 2).sum()
+    with wrapped.no_sync():
+        loss.backward()
+    _assert_grads(wrapped, expected)
 
 
 @sizes(2, 3)

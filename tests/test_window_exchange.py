@@ -108,6 +108,7 @@ def test_channels_last_stays_channels_last(P_world, comm):
              (dnn.DistributedChannelConv2d(P_c, P_y, P_c, 2 * n, 2, 3, padding=1), torch.nn.Conv2d(2 * n, 2, 3),
               P_c, 4),
              (dnn.DistributedMaxPool2d(P_4, 3, padding=1), torch.nn.MaxPool2d(3, padding=1), P_4, 4),
+             (dnn.DistributedMaxPool2d(P_4, 3, 1, padding=1), torch.nn.MaxPool2d(3, 1, padding=1), P_4, 4),  # cropped
              (dnn.DistributedAvgPool2d(P_4, 2, ceil_mode=True), torch.nn.AvgPool2d(2, ceil_mode=True), P_4, 4),
              (dnn.DistributedMaxPool3d(P_5, 2), torch.nn.MaxPool3d(2), P_5, 5),
              (dnn.DistributedUpsample(P_4, scale_factor=2, mode="bilinear"), torch.nn.Upsample(scale_factor=2,
@@ -134,3 +135,7 @@ def test_channels_last_stays_channels_last(P_world, comm):
     pool, up = dnn.DistributedMaxPool2d(P_4, 2), dnn.DistributedUpsample(P_4, scale_factor=2)
     y = up(pool(scatter(random_tensor((2, 3, 3, 5), seed=3), P_4).contiguous(memory_format=torch.channels_last)))
     assert not y.numel() or y.is_contiguous(memory_format=torch.channels_last)
+    # an empty block sliced from a channels_last tensor keeps its strides, not those torch gives an empty one
+    x = scatter(random_tensor((1, 3, 2, 2), seed=4).contiguous(memory_format=torch.channels_last), P_4)
+    y = up(x.contiguous(memory_format=torch.channels_last))
+    assert y.numel() and y.is_contiguous(memory_format=torch.channels_last), (tuple(x.shape), x.stride())

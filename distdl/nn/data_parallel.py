@@ -297,7 +297,7 @@ class DataParallel(torch.nn.Module):
             if self.broadcast_buffers:
                 transport.bcast_in_place_all(self.P.comm, self.module.buffers())
         if torch.is_grad_enabled():
-            self._forward_sync = self._sync  # as DDP: a forward in no_sync() is not reduced, wherever its backward
+            self._forward_sync = self._sync  # as DDP: the forward decides whether its backward reduces
         return self.module(*args, **kwargs)
 
     def _replan(self, params: list) -> None:
@@ -341,8 +341,9 @@ class DataParallel(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Within this context, backward accumulates local gradients without reducing them; as with DDP, also the
-        backward of the last forward run within it."""
+        """The backward of a forward run within this context accumulates local gradients without reducing them,
+        wherever it runs; as with DDP, the forward decides (the backward of a forward run outside is reduced, also
+        within this context)."""
         self._sync, previous = False, self._sync
         try:
             yield
@@ -389,7 +390,7 @@ class DataParallel(torch.nn.Module):
         if (written is not None and p.grad is not None and written[0]() is p.grad
                 and p.grad._version == written[1] + 1 and not _alone(p.grad, incoming)):
             self._accumulated.append((p, weakref.ref(p.grad)))  # told to every member by the next reduction
-        if not (self._sync and self._forward_sync):
+        if not self._forward_sync:
             return
         _check_dense("DataParallel", p)
         if not self._in_flight:

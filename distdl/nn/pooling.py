@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn import _windows
 from distdl.partition import MPIPartition
-from distdl.utilities.torch import zeros_block
+from distdl.utilities.torch import memory_format, zeros_block
 
 __all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
@@ -158,8 +158,8 @@ class _DistributedMaxPoolNd(_DistributedPoolNd):
                              (1,) + self.dilation).squeeze(-2)
         else:
             y = _MAX[self.dims](window, self.kernel_size, self.stride, padding, self.dilation)
-        if y.shape[2:] != shape[2:]:  # contiguous, as torch's output (y.view works)
-            y = y[(slice(None),) * 2 + tuple(slice(0, n) for n in shape[2:])].contiguous()
+        if y.shape[2:] != shape[2:]:  # dense in torch's output's format, as torch's output (y.view works)
+            y = y[(slice(None),) * 2 + tuple(slice(0, n) for n in shape[2:])].contiguous(memory_format=memory_format(y))
         return y
 
     def _wholly_outside(self, plan: _windows.Plan) -> bool:

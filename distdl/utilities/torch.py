@@ -31,8 +31,12 @@ def memory_format(t: torch.Tensor) -> torch.memory_format:
     if cl is None:
         return torch.contiguous_format
     if not t.numel():  # every layout of an empty tensor is contiguous: tell by the strides
-        strides = [torch.empty(t.shape, device="meta", memory_format=f).stride() for f in (cl, torch.contiguous_format)]
-        return cl if t.stride() == strides[0] != strides[1] else torch.contiguous_format
+        made = [torch.empty(t.shape, device="meta", memory_format=f).stride() for f in (cl, torch.contiguous_format)]
+        if t.stride() in made:  # made empty
+            return cl if t.stride() == made[0] != made[1] else torch.contiguous_format
+        # a slice of a larger tensor: channels innermost
+        others = [s for d, (n, s) in enumerate(zip(t.shape, t.stride())) if d != 1 and n > 1]
+        return cl if t.shape[1] > 1 and t.stride(1) == 1 and all(s > 1 for s in others) else torch.contiguous_format
     return cl if not t.is_contiguous() and t.is_contiguous(memory_format=cl) else torch.contiguous_format
 
 
