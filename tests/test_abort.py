@@ -204,11 +204,13 @@ def test_a_forked_child_never_aborts_the_job(args, module):
     assert "rank 0 finished" in result.stdout and "rank 1 finished" in result.stdout
 
 
-def test_a_skipped_backward_ends_the_job_in_check_mode():
-    """Rank 1 skips a DataParallel backward: rank 0 waits in its reduction for ever; in check mode rank 1's next
-    forward gives up waiting for rank 0 to check it, and the abort hook ends the job."""
-    result = _launch(script=ROOT / "tests" / "scripts" / "skip_a_backward.py", DISTDL_CHECK="1",
-                     DISTDL_CHECK_TIMEOUT="3")
+@pytest.mark.parametrize("how", ["skipped", "raised"])
+def test_a_skipped_backward_ends_the_job_in_check_mode(how):
+    """Rank 1 skips a DataParallel backward, or catches an error raised part-way through it: rank 0 waits in its
+    reduction for ever; in check mode rank 1's next forward gives up waiting for rank 0 to check it, and the abort
+    hook ends the job (where the backward had raised, it completed the sums in flight first, unchecked: a hang)."""
+    result = _launch(*([how] if how == "raised" else []), script=ROOT / "tests" / "scripts" / "skip_a_backward.py",
+                     DISTDL_CHECK="1", DISTDL_CHECK_TIMEOUT="3")
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "CollectiveTimeoutError: DataParallel: waited " in output, output

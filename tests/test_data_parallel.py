@@ -8,6 +8,7 @@ and with it at 0 (every gradient is reduced on its own, in place where its layou
 import builtins
 import collections
 import contextlib
+import copy
 import gc
 import weakref
 
@@ -1000,6 +1001,92 @@ def test_a_layer_added_after_wrapping_starts_alike(P_world, comm):
     _assert_grads(wrapped.module, _grads(expected, x, y))
     for p, q in zip(wrapped.module.parameters(), expected.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@sizes(2, 3)
+def test_a_replan_writes_only_new_tensors(P_world, comm):
+    """A replan broadcast every parameter again in place, which bumped their versions on the members other than rank
+    0: a graph that had saved one (the layer used outside the wrapper first) raised torch's in-place error there
+    alone. Only tensors new on some member are broadcast now; a head replaced on rank 0 alone reaches every member."""
+    x, y = _batch(2, seed=97 + comm.rank)
+    model = _mlp(4)
+    model[0].requires_grad_(False)
+    wrapped = DataParallel(model, P_world, op="sum")
+    model[0].requires_grad_(True)  # the next forward plans again
+    versions = [p._version for p in model.parameters()]
+    outside = model[0](x).square().sum()  # saves model[0].weight before the wrapper's forward
+    (((wrapped(x) - y) ** 2).sum() + outside).backward()
+    assert [p._version for p in model.parameters()] == versions
+    if comm.rank == 0:  # a checkpoint's head, loaded on rank 0 alone
+        model[4] = _mlp(41)[4]
+    else:
+        model[4] = torch.nn.Linear(5, 3).double()  # the same shape, another object
+    wrapped.zero_grad()
+    ((wrapped(x) - y) ** 2).sum().backward()
+    for p, q in zip(model[4].parameters(), _mlp(41)[4].parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@sizes(2, 3)
+def test_a_parameter_unfrozen_into_two_wrappers_is_refused(P_world, comm):
+    """A parameter frozen when one wrapper was made, then unfrozen and wrapped by another: the first's next forward
+    hooked it too, and both summed it (in place, at once: silently wrong). It raises on every member instead."""
+    shared, head = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 1).double()
+    shared.requires_grad_(False)
+    first = DataParallel(torch.nn.Sequential(shared, head), P_world)
+    shared.requires_grad_(True)
+    second = DataParallel(shared, P_world)
+    with pytest.raises(ValueError, match=r"DataParallel: expected parameters that no other DataParallel reduces, "
+                                         r"got one of shape \(4, 4\)"):
+        first(torch.rand(2, 4, dtype=torch.float64))
+    del second
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("setting", ["op", "broadcast_buffers", "bucket_cap_mb"])
+def test_settings_that_differ_are_refused(P_world, comm, setting):
+    """op, broadcast_buffers or bucket_cap_mb different on rank 0: replicas apart (op, silently), a hang (buffers),
+    or a layout error naming no setting. Construction raises on every member, naming them."""
+    value = {"op": "sum", "broadcast_buffers": False, "bucket_cap_mb": 1e-6}[setting]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=f"DataParallel: expected the same settings on every worker of P, got "
+                                         f".*'{setting}': {value!r}.* on P rank 0 and .* on P rank 1"):
+        DataParallel(model, P_world, **({setting: value} if comm.rank == 0 else {}))
+
+
+@sizes(2, 3)
+def test_no_sync_on_some_members_is_refused(P_world, comm):
+    """A forward within no_sync() on rank 0 only: its backward did not reduce there and did on the others, which
+    waited for it (a hang). The forward raises on every member, and the next step is exact."""
+    wrapped = DataParallel(_mlp(4), P_world, op="sum")
+    x, y = _batch(2, seed=comm.rank)
+    with wrapped.no_sync() if comm.rank == 0 else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=r"DataParallel: expected no_sync\(\) alike on every member of P"):
+            wrapped(x)
+    _step(wrapped, x, y)
+    _assert_grads(wrapped, _grads(_mlp(4), *(torch.cat(t) for t in zip(*(_batch(2, r) for r in range(comm.size))))))
+
+
+@sizes(2, 3)
+def test_a_gan_step_zeroing_without_none(P_world, comm):
+    """A generator's backward within the discriminator's no_sync() accumulates onto the discriminator's reduced
+    gradients (op="sum"); zero_grad(set_to_none=False) then zeroes them: the discriminator's next step raised the
+    accumulation error all the same (only None cleared it). Its gradients equal the sequential model's."""
+    torch.manual_seed(5)
+    generator, discriminator = torch.nn.Linear(3, 4).double(), torch.nn.Linear(4, 1).double()
+    wrapped = DataParallel(discriminator, P_world, op="sum")
+    z = random_tensor((2, 3), seed=comm.rank)
+    wrapped(generator(z).detach()).sum().backward()  # the discriminator's step
+    with wrapped.no_sync():
+        wrapped(generator(z)).sum().backward()  # the generator's, through the discriminator
+    wrapped.zero_grad(set_to_none=False)
+    wrapped(generator(z).detach()).square().sum().backward()
+    sequential = copy.deepcopy(discriminator)
+    sequential.zero_grad(set_to_none=True)
+    whole = torch.cat([random_tensor((2, 3), seed=r) for r in range(comm.size)])
+    sequential(generator(whole).detach()).square().sum().backward()
+    for p, q in zip(discriminator.parameters(), sequential.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
 
 
 class _Decoder(torch.nn.Module):

@@ -183,7 +183,8 @@ class DataParallel(torch.nn.Module):
     the parameters that take gradients changed since (frozen or unfrozen, converted with ``.double()``, replaced
     by ``load_state_dict(assign=True)``, a new layer), another module came to hold one or ceased to (a tie
     made or undone) or the buffers changed (one added, another dtype or shape), on every member alike, and then
-    broadcasts the parameters and buffers from rank 0 of ``P`` again. During
+    broadcasts from rank 0 of ``P`` the parameters and buffers new on some member. Members must enter
+    :meth:`no_sync` alike and construct the wrapper with the same settings (ValueError on every member). During
     backward, as soon as every parameter of a bucket has its gradient, a non-blocking sum of the bucket starts
     (buckets start in a fixed order, the same on every member); all of them complete when backward ends, before
     anyone can read ``.grad``.
@@ -231,22 +232,17 @@ class DataParallel(torch.nn.Module):
         self._accumulated: list[tuple] = []  # op="sum": (p, its .grad weakly) a backward accumulated onto reduced
         if not P.active or P.size == 1:
             return
-        taken, anywhere = _taken(P, params)
-        if anywhere:  # every member collects, whichever found one
-            gc.collect()  # a dropped wrapper caught in a reference cycle lives until the collector runs
-            taken, anywhere = _taken(P, params)
-        if anywhere:  # every member raises
-            raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got "
-                             f"{'one of shape ' + str(taken[0]) if taken else 'one on another member'} that a live "
-                             "DataParallel already reduces (drop it first)")
+        _refuse_taken(P, params)
         # Its own communicator: the reductions of two wrappers over the same workers (a GAN's two models) may start
         # in another order on each member (a bucket with a parameter unused there starts at the end of backward).
         self._replicas = P.create_partition_inclusive(range(P.size))
         self._comm = self._replicas.comm
         states = list(module.parameters()) + list(module.buffers())
-        _check_agreement("DataParallel", P, lambda: _named(module), _signature(self._buckets, states), problem)
+        _check_agreement("DataParallel", P, lambda: _named(module), _signature(self._buckets, states), problem,
+                         settings=self._settings())
         transport.bcast_in_place_all(P.comm, states)
-        self._changed = np.zeros(1, dtype=np.int64)
+        self._known = {id(t): weakref.ref(t) for t in states}  # broadcast: a replan broadcasts only others
+        self._flags = np.zeros(3, dtype=np.int64)  # changed, and no_sync() at this forward: off, on
         self._hooks: list = []
         weakref.finalize(self, _remove, self._hooks)  # the hooks go with the wrapper: a dropped one does not reduce
         self._hook(params)
@@ -282,14 +278,20 @@ class DataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.P._freed:  # it reduces on a communicator of its own, which P.free() leaves
             self.P._check_live("DataParallel")
+        collective = torch.is_grad_enabled() and self.P.active and self.P.size > 1
+        if collective:  # check mode: names a member that skipped a step (forward or backward; before _abandon's
+            verify("DataParallel", self.P)  # collectives, which wait for peers still in that backward's sums)
         if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
             self._abandon()
-        if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
-            verify("DataParallel", self.P)  # check mode: names a member that skipped a step (forward or backward)
+        if collective:
             params = [p for p in self.module.parameters() if p.requires_grad]
-            self._changed[0] = _layout(self.module, params) != self._layout or _gone(self._holders)
-            self._comm.Allreduce(MPI.IN_PLACE, self._changed, op=MPI.MAX)  # every member plans again, or none
-            if self._changed[0]:
+            self._flags[:] = (_layout(self.module, params) != self._layout or _gone(self._holders), self._sync,
+                              not self._sync)
+            self._comm.Allreduce(MPI.IN_PLACE, self._flags, op=MPI.MAX)  # every member plans again, or none
+            if self._flags[1] and self._flags[2]:
+                raise ValueError("DataParallel: expected no_sync() alike on every member of P, got a forward within "
+                                 "it on some members only (the backward would reduce on the others only: a hang)")
+            if self._flags[0]:
                 self._replan(params)
             if check_mode():  # names a member whose parameters differ
                 verify("DataParallel (copies of its parameters)", self.P,
@@ -301,8 +303,9 @@ class DataParallel(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _replan(self, params: list) -> None:
-        """Plan the buckets of ``params`` again, move the hooks to them and broadcast the parameters from rank 0 of
-        ``P``, as at construction: a parameter added since (a new head) starts alike on every member."""
+        """Plan the buckets of ``params`` again, move the hooks to them and broadcast from rank 0 of ``P`` the
+        parameters and buffers new on some member (a new head, a tensor loaded with ``assign=True``), so that they
+        start alike on every member. The others are not written: a graph may hold them already."""
         _remove(self._hooks)
         self._hooks.clear()
         for p in self._params:
@@ -312,13 +315,22 @@ class DataParallel(torch.nn.Module):
         self._written = {}
         everything = list(self.module.parameters()) + list(self.module.buffers())  # as at construction
         try:
+            _refuse_taken(self.P, params)
             _check_agreement("DataParallel", self.P, lambda: _named(self.module), _signature(self._buckets, everything),
-                             problem)
+                             problem, settings=self._settings())
         except ValueError:
             self._layout = None  # unhooked: plan (and raise) again at the next forward, rather than not reduce
             raise
-        transport.bcast_in_place_all(self.P.comm, everything)
+        new = np.array([self._known.get(id(t), _dead)() is not t for t in everything], dtype=np.int64)
+        self._comm.Allreduce(MPI.IN_PLACE, new, op=MPI.MAX)  # the same on every member (their layouts agree)
+        transport.bcast_in_place_all(self.P.comm, [t for t, fresh in zip(everything, new) if fresh])
+        self._known = {id(t): weakref.ref(t) for t in everything}
         self._hook(params)
+
+    def _settings(self) -> dict:
+        """What every member of ``P`` must construct alike (op="avg" on one member: replicas apart, silently;
+        broadcast_buffers on some: a hang)."""
+        return {"op": self.op, "broadcast_buffers": self.broadcast_buffers, "bucket_cap_mb": self.bucket_cap_mb}
 
     def __deepcopy__(self, memo):
         raise TypeError("DataParallel: expected no deep copy of the wrapper (it holds a communicator and hooks on "
@@ -390,6 +402,8 @@ class DataParallel(torch.nn.Module):
         if (written is not None and p.grad is not None and written[0]() is p.grad
                 and p.grad._version == written[1] + 1 and not _alone(p.grad, incoming)):
             self._accumulated.append((p, weakref.ref(p.grad)))  # told to every member by the next reduction
+        elif self._accumulated and _alone(p.grad, incoming):  # zeroed since it was found accumulated onto
+            self._accumulated = [(q, grad) for q, grad in self._accumulated if q is not p]
         if not self._forward_sync:
             return
         _check_dense("DataParallel", p)
@@ -417,12 +431,30 @@ class DataParallel(torch.nn.Module):
 
     def _accumulating(self) -> bool:
         """Whether a gradient that a backward accumulated onto its reduced value (in no_sync() too) is still its
-        parameter's (not set to None since: zero_grad())."""
-        return any(grad() is p.grad for p, grad in self._accumulated)
+        parameter's, not zeroed since (zero_grad(), with set_to_none or not)."""
+        return any(p.grad is not None and grad() is p.grad and bool(p.grad.any()) for p, grad in self._accumulated)
 
 
 # id of a parameter -> the live DataParallel reducing it (which holds the parameter, so the id stays its own)
 _REDUCING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _refuse_taken(P: MPIPartition, params: list) -> None:
+    """Raise ValueError on every member of ``P`` if a member finds one of ``params`` reduced by a live DataParallel
+    (collective)."""
+    taken, anywhere = _taken(P, params)
+    if anywhere:  # every member collects, whichever found one
+        gc.collect()  # a dropped wrapper caught in a reference cycle lives until the collector runs
+        taken, anywhere = _taken(P, params)
+    if anywhere:  # every member raises
+        raise ValueError(f"DataParallel: expected parameters that no other DataParallel reduces, got "
+                         f"{'one of shape ' + str(taken[0]) if taken else 'one on another member'} that a live "
+                         "DataParallel already reduces (drop it first)")
+
+
+def _dead() -> None:
+    """A dead weak reference's call, for a tensor never seen."""
+    return None
 
 
 def _taken(P: MPIPartition, params: list) -> tuple[list[tuple[int, ...]], bool]:
@@ -631,13 +663,14 @@ def _signature(buckets: list[_Bucket], tensors: list[torch.Tensor]) -> int:
 
 
 def _check_agreement(where: str, P: MPIPartition, tensors, signature: int, problem: str | None = None,
-                     misuse: str | None = None) -> None:
+                     misuse: str | None = None, settings: dict | None = None) -> None:
     """Raise on every member if the members' layouts differ (MPI would hang or mix data up; naming the first of
     ``tensors()``, the named tensors the signature covers, whose dtype, shape or kind differs), if a member found a
-    ``problem`` with a parameter a layer sums itself (see :func:`_summed_by_layers`; ValueError), or a ``misuse``
-    (RuntimeError, the message as it is)."""
-    mine = np.array([signature, problem is not None, misuse is not None], dtype=np.int64)
-    everyone = np.empty((P.size, 3), dtype=np.int64)
+    ``problem`` with a parameter a layer sums itself (see :func:`_summed_by_layers`; ValueError), a ``misuse``
+    (RuntimeError, the message as it is), or if the members' ``settings`` differ (ValueError)."""
+    mine = np.array([signature, problem is not None, misuse is not None, zlib.crc32(repr(settings).encode())],
+                    dtype=np.int64)
+    everyone = np.empty((P.size, 4), dtype=np.int64)
     P.comm.Allgather(mine, everyone)
     found = [int(r) for r in np.flatnonzero(everyone[:, 1])]
     if found:  # every member raises, naming what the first member that found a problem found
@@ -645,6 +678,11 @@ def _check_agreement(where: str, P: MPIPartition, tensors, signature: int, probl
     found = [int(r) for r in np.flatnonzero(everyone[:, 2])]
     if found:
         raise RuntimeError(P.comm.bcast(misuse, root=found[0]))
+    differ = [int(r) for r in np.flatnonzero(everyone[:, 3] != everyone[0, 3])]
+    if differ:
+        first, other = P.comm.bcast(settings, root=0), P.comm.bcast(settings, root=differ[0])
+        raise ValueError(f"{where}: expected the same settings on every worker of P, got {first} on P rank 0 and "
+                         f"{other} on P rank {differ[0]}")
     everyone = everyone[:, 0]
     differ = [int(r) for r in np.flatnonzero(everyone != everyone[0])]
     if differ:
