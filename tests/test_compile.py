@@ -1,6 +1,8 @@
 """torch.compile of a module holding distdl layers: the primitives and the overlapped rings run eagerly between
 compiled graphs (Dynamo cannot trace MPI), and values and gradients equal the eager module's."""
 
+import contextlib
+
 import torch
 
 from distdl.nn import (DistributedBatchNorm, DistributedFeatureConv1d, DistributedLinearAllGather,
@@ -43,3 +45,32 @@ def test_compiled_module_matches_eager(P_world, comm):
             results.append([y, w, *(t.grad for t in inputs), *(p.grad for p in net.parameters()),
                             net.bn.running_mean.clone()])
         torch.testing.assert_close(results[1], results[0])
+
+
+@sizes(1, 2, 3)
+def test_compiled_autograd_matches_eager(P_world, comm):
+    """Under compiled autograd the backward of a gather, a reduce-scatter, a window exchange (pooling) and the
+    rings runs its communication eagerly, as torch.compile runs the forward's: Dynamo traced into the adjoints
+    (torch's error on a tensor of symbolic size, on some workers only for the pooling)."""
+    from torch._dynamo import compiled_autograd
+    from distdl.nn import AllGather, ReduceScatter
+    P_s = P_world.create_cartesian_topology_partition([1, 1, comm.size])
+    P_f = P_world.create_cartesian_topology_partition([1, comm.size])
+    layers = [(AllGather(P_f, axes_all_gather=[1]), P_f, (3, 5)), (ReduceScatter(P_f, axes_reduce_scatter=[1]), P_f,
+                                                                   (3, 2 * comm.size)),
+              (DistributedMaxPool1d(P_s, 3, stride=2, padding=1), P_s, (2, 2, 9)),
+              (DistributedLinearAllGather(P_f, 5, 7).double(), P_f, (3, 5)),
+              (DistributedLinearReduceScatter(P_f, 7, 5).double(), P_f, (3, 7))]
+    for layer, P_x, shape in layers:
+        x = scatter(random_tensor(shape, seed=1), P_x)
+        results = []
+        for compiled in (False, True):
+            layer.zero_grad()
+            x_k = x.clone().requires_grad_()
+            y = layer(x_k)
+            dy = random_tensor(y.shape, seed=7 + comm.rank)
+            torch._dynamo.reset()
+            with compiled_autograd._enable(torch.compile(backend="aot_eager")) if compiled else contextlib.nullcontext():
+                y.backward(dy)
+            results.append([x_k.grad, *(p.grad for p in layer.parameters())])
+        torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

@@ -41,6 +41,7 @@ from distdl.functional.all_sum_reduce import FibrePlan, checked_fibre, fibre_pla
 from distdl.checks import announce, check_mode, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
+from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["all_gather"]
 
@@ -239,6 +240,7 @@ def _place_payloads(messages: np.ndarray, y: torch.Tensor, plan: Layout) -> None
         out[(*block[:-1], last)] = row[:n * size].reshape(*shape[:-1], shape[-1] * size)
 
 
+@eager_when_compiled  # a backward's: compiled autograd would trace into it
 def gather_adjoint(grad: torch.Tensor, P_fibre: MPIPartition, plan: Layout) -> torch.Tensor:
     """Return :func:`all_gather` of ``grad``, this member's block of ``plan``, in a backward.
 

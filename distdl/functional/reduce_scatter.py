@@ -33,6 +33,7 @@ from distdl.functional._messages import carries_payload, sum_payloads
 from distdl.functional.all_gather import Layout, agreed, all_gather, exchange, gather_adjoint, layout, member_plan
 from distdl.checks import verify
 from distdl.partition import MPIPartition
+from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["reduce_scatter"]
 
@@ -109,6 +110,7 @@ def _reduce_scatter(x, P_fibre, plan, messages):
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
+@eager_when_compiled  # a backward's: compiled autograd would trace into it
 def scatter_adjoint(grad: torch.Tensor, P_fibre: MPIPartition, plan: Layout) -> torch.Tensor:
     """Return :func:`reduce_scatter` of ``grad``, an all_gather's output gradient of :class:`Layout` ``plan``, in a
     backward.

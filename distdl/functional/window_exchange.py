@@ -32,7 +32,7 @@ from distdl.checks import announce, verify
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 from distdl.utilities.slicing import compute_start_index, compute_stop_index
-from distdl.utilities.torch import memory_format
+from distdl.utilities.torch import eager_when_compiled, memory_format
 
 __all__ = ["window_exchange", "window_scatter_add"]
 
@@ -71,6 +71,7 @@ def window_scatter_add(y: torch.Tensor, P_x: MPIPartition, x_global_shape: tuple
     return _window("window_scatter_add", y, P_x, x_global_shape, windows, False)
 
 
+@eager_when_compiled  # also a backward's: compiled autograd would trace into it
 def _window(where: str, t: torch.Tensor, P_x: MPIPartition, shape, windows, forward: bool) -> torch.Tensor:
     """:func:`window_exchange` (``forward``) or :func:`window_scatter_add` of ``t``, checked and recorded (check mode)
     as ``where`` (an adjoint run by backward as such: "... (backward)")."""
