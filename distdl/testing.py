@@ -28,15 +28,15 @@ __all__ = ["assert_adjoint", "assert_sequential_equivalence", "scatter", "gather
 
 def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Return a standard normal tensor from ``seed`` (same on every worker for the same seed); complex for a
-    complex ``dtype`` (random real and imaginary parts). ``shape`` is a sequence of extents or one int; TypeError
-    for a dtype that is neither floating nor complex."""
+    complex ``dtype`` (random real and imaginary parts). ``shape`` is a sequence of extents or one int; ``seed``
+    any int (taken modulo 2**63); TypeError for a dtype that is neither floating nor complex."""
     if not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex)):
         raise TypeError(f"random_tensor: expected a floating or complex dtype, got {dtype}")
     try:
         shape = (operator.index(shape),)  # one int (or a numpy integer)
     except TypeError:
         pass
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed % 2**63)  # any int (a time in ns, a product of seeds)
     draw = torch.complex128 if dtype.is_complex else torch.float64
     return torch.randn(tuple(shape), generator=generator, dtype=draw).to(dtype)
 
@@ -117,7 +117,8 @@ def _assert_close(where: str, names: tuple[str, str], comm: MPI.Comm, a: float, 
     left, right = names
     if not abs(a - b) <= rtol * max(abs(a), abs(b), 1e-300):
         raise AssertionError(f"{where}: {left} = {a!r} but {right} = {b!r} (relative difference "
-                             f"{abs(a - b) / max(abs(a), abs(b), 1e-300):.3e} > {rtol:.1e}) on rank {comm.rank}")
+                             f"{abs(a - b) / max(abs(a), abs(b), 1e-300):.3e} > {rtol:.1e}); the inner products are "
+                             f"sums over the {comm.size} ranks, so this cannot tell which rank's part is wrong")
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -165,6 +166,19 @@ _DETACHED = ("is not in the autograd graph of the input (detached, or a new leaf
              "values): no gradient flows back there, and the other workers' backward would wait for it")
 
 
+def _attempt(comm: MPI.Comm, what: str, function: Callable, *args):
+    """Return ``function(*args)``; where it raises on some worker, raise AssertionError on every worker of ``comm``
+    (from the exception where it was raised): a worker raising alone left the others waiting in the next collective
+    (a layer wrong on some workers only, after its own collectives)."""
+    try:
+        result, error = function(*args), None
+    except Exception as caught:  # the user's code: anything
+        result, error = None, caught
+    _agree(comm, None if error is None else f"{what} raised on rank {comm.rank}: {type(error).__name__}: {error}",
+           error)
+    return result
+
+
 def _vjp(y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, create_graph: bool) -> torch.Tensor | None:
     """Return the vector-Jacobian product; None where ``y`` does not depend on ``x`` in the graph."""
     return torch.autograd.grad(y, x, dy, create_graph=create_graph, allow_unused=True)[0]
@@ -183,7 +197,9 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     leaves out there a collective of distdl's made for it that other workers' graphs reach (a result detached on
     the way), fails on every worker before the backward. With ``adjoint_of_adjoint``, the double backward is
     checked to be the adjoint of the backward (a backward that is not differentiable, on any worker, fails on
-    every worker: pass False).
+    every worker: pass False). An exception from ``op`` or its backward on some workers raises AssertionError on
+    every worker. The sums cannot tell which worker's part is wrong; :func:`assert_sequential_equivalence` can.
+    ``seed``: any int.
     """
     check_tensor("assert_adjoint (x)", x)
     if not isinstance(comm, MPI.Comm):
@@ -193,11 +209,11 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     x = random_tensor(x.shape, base, torch.complex128 if x.is_complex() else torch.float64).to(x.device)
     x.requires_grad_()
     with recording_collectives() as made:
-        y = op(x)
+        y = _attempt(comm, "assert_adjoint: the operator", op, x)
     _agree(comm, _cut("assert_adjoint: the output", comm, y, x, made, _DETACHED))
     dy = random_tensor(y.shape, base + 1, y.dtype if y.is_complex() else torch.float64).to(y.device).requires_grad_()
     with recording_collectives() as made:
-        dx = _vjp(y, x, dy, create_graph=adjoint_of_adjoint)
+        dx = _attempt(comm, "assert_adjoint: the backward", _vjp, y, x, dy, adjoint_of_adjoint)
     unused = dx is None  # a backward that gives this input no gradient: zero, so its adjoint is zero too
     forward, adjoint = _allsum(comm, [_dot(y, dy), 0.0 if unused else _dot(x, dx)])
     _assert_close("assert_adjoint", ("<F x, y>", "<x, F* y>"), comm, forward, adjoint, rtol)
@@ -206,7 +222,7 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
                           "does not depend on the cotangent in the autograd graph)",
                           "; pass adjoint_of_adjoint=False to check the adjoint only", unused=True))
         v = random_tensor(x.shape, base + 2, x.dtype).to(x.device)
-        dv = None if unused else _vjp(dx, dy, v, create_graph=False)
+        dv = None if unused else _attempt(comm, "assert_adjoint: the double backward", _vjp, dx, dy, v, False)
         backward, double = _allsum(comm, [0.0 if unused else _dot(dx, v), 0.0 if unused else _dot(dy, dv)])
         _assert_close("assert_adjoint (adjoint of the adjoint)", ("<F* y, v>", "<y, F** v>"), comm, backward, double,
                       rtol)
@@ -241,7 +257,10 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     compared (sums over blocks round apart from sequential ones by about a unit in the last place of their
     largest terms); exact for other dtypes (float8).
     ``x_global`` must be of a floating or complex dtype (the input gradient is compared): any other raises
-    TypeError on every worker, before any communication.
+    TypeError on every worker, before any communication. ``x_global`` and the sequential result must be the same
+    on every worker (seed them): where they differ from rank 0's, AssertionError on every worker names them. An
+    exception from either operator, or from the backward, on some workers raises AssertionError on every worker
+    (from it where it was raised), so far as the others reach the kit's next collective.
     """
     check_tensor("assert_sequential_equivalence (x_global)", x_global)
     check_partition("assert_sequential_equivalence", "P_x", P_x)
@@ -251,13 +270,16 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
                         f"input gradient is compared), got {x_global.dtype}")
     default_rtol, default_atol = _TOLERANCES.get(x_global.dtype, (0.0, 0.0))
     rtol, atol = default_rtol if rtol is None else rtol, default_atol if atol is None else atol  # None: scaled
+    root, rank = P_x._root, P_x._root.rank
+    _agree(root, _differs_from_rank_0(root, x_global, "x_global", 0.0, 0.0, "hold the same x_global everywhere"))
     x_ref = x_global.detach().clone().requires_grad_()
-    y_ref = sequential(x_ref)
+    y_ref = _attempt(root, "assert_sequential_equivalence: the sequential operator", sequential, x_ref)
+    _agree(root, _differs_from_rank_0(root, y_ref, "the sequential result", rtol, atol,
+                                      "give the sequential operator the same parameters everywhere (seed them)"))
     x_local = scatter(x_global.detach(), P_x).requires_grad_()
     with recording_collectives() as made:
-        y_local = distributed(x_local)
+        y_local = _attempt(root, "assert_sequential_equivalence: the distributed operator", distributed, x_local)
     expected = scatter(y_ref.detach(), P_y)
-    root, rank = P_x._root, P_x._root.rank
     failure = _cut("assert_sequential_equivalence: the output", root, y_local, x_local, made, _DETACHED)
     if isinstance(y_local, torch.Tensor) and P_y.active:
         failure = _difference(y_local.detach(), expected, rtol, atol,
@@ -268,7 +290,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     dy_global = random_tensor(y_ref.shape, seed + 7777, y_ref.dtype)
     y_ref.backward(dy_global)
     dy_local = scatter(dy_global, P_y)
-    y_local.backward(dy_local if P_y.active else torch.zeros_like(y_local))
+    _attempt(root, "assert_sequential_equivalence: the distributed operator's backward", y_local.backward,
+             dy_local if P_y.active else torch.zeros_like(y_local))
     expected_grad = scatter(torch.zeros_like(x_ref) if x_ref.grad is None else x_ref.grad, P_x)  # None: unused
     failure = None
     if P_x.active:
@@ -279,21 +302,39 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float | None,
-                what: str) -> str | None:
+                what: str, equal_nan: bool = False) -> str | None:
     """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close. ``atol``
-    None: ``rtol`` times the largest magnitude in ``expected``."""
-    if atol is None:
-        atol = rtol * float(expected.detach().cpu().to(torch.complex64 if expected.is_complex() else torch.float32)
-                            .abs().max()) if expected.numel() else 0.0
+    None: ``rtol`` times the largest finite magnitude in ``expected``."""
+    if atol is None:  # of the finite values: one inf would let every finite value pass
+        magnitudes = expected.detach().cpu().to(torch.complex64 if expected.is_complex() else torch.float32).abs()
+        finite = magnitudes[torch.isfinite(magnitudes)]
+        atol = rtol * float(finite.max()) if finite.numel() else 0.0
     try:
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=equal_nan)
     except AssertionError as error:
         return f"{what}: {error}"
     return None
 
 
-def _agree(comm: MPI.Comm, failure: str | None) -> None:
-    """Raise AssertionError on every worker of ``comm`` if any worker has a ``failure``, quoting them all."""
+def _differs_from_rank_0(comm: MPI.Comm, t: torch.Tensor, what: str, rtol: float, atol: float | None,
+                         hint: str) -> str | None:
+    """Return how ``t`` differs from rank 0's (None where it does not, or is not a tensor): inputs every worker
+    must hold alike, or a difference would be blamed on the distributed operator."""
+    theirs = comm.bcast(_bytes(t) if comm.rank == 0 and isinstance(t, torch.Tensor) else None, root=0)
+    if not isinstance(t, torch.Tensor) or theirs is None:
+        return None
+    if (t.dtype, t.shape) != theirs[:2]:
+        return f"{what} on rank {comm.rank} is {t.dtype} of shape {tuple(t.shape)}, on rank 0 {theirs[0]} of " \
+               f"shape {tuple(theirs[1])}: {hint}"
+    if np.array_equal(_bytes(t)[2], theirs[2]):
+        return None
+    return _difference(t.detach().cpu(), _from_bytes(*theirs), rtol, atol, f"{what} on rank {comm.rank} differs "
+                       f"from rank 0's ({hint})", equal_nan=True)
+
+
+def _agree(comm: MPI.Comm, failure: str | None, cause: BaseException | None = None) -> None:
+    """Raise AssertionError on every worker of ``comm`` if any worker has a ``failure``, quoting them all (from
+    ``cause`` where it has one)."""
     failures = [f for f in comm.allgather(failure) if f is not None]
     if failures:
-        raise AssertionError("\n".join(failures))
+        raise AssertionError("\n".join(failures)) from cause

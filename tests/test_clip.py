@@ -258,7 +258,7 @@ def test_pruned_layers(P_world, comm):
 
 
 @sizes(1, 2, 3)
-@pytest.mark.parametrize("dim", [0, None])
+@pytest.mark.parametrize("dim", [0, -2, None])
 def test_hook_based_weight_norm(P_world, comm, dim):
     """torch.nn.utils.weight_norm (the hook-based form) keeps a weight as weight_g and weight_v, which were taken
     for replicated copies: the norm left out the other workers' blocks, a collected state dict held rank 0's

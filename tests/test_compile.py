@@ -70,7 +70,8 @@ def test_compiled_autograd_matches_eager(P_world, comm):
             y = layer(x_k)
             dy = random_tensor(y.shape, seed=7 + comm.rank)
             torch._dynamo.reset()
-            with compiled_autograd._enable(torch.compile(backend="aot_eager")) if compiled else contextlib.nullcontext():
+            compiling = compiled_autograd._enable(torch.compile(backend="aot_eager"))
+            with compiling if compiled else contextlib.nullcontext():
                 y.backward(dy)
             results.append([x_k.grad, *(p.grad for p in layer.parameters())])
         torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

@@ -1052,6 +1052,7 @@ def test_settings_that_differ_are_refused(P_world, comm, setting):
     with pytest.raises(ValueError, match=f"DataParallel: expected the same settings on every worker of P, got "
                                          f".*'{setting}': {value!r}.* on P rank 0 and .* on P rank 1"):
         DataParallel(model, P_world, **({setting: value} if comm.rank == 0 else {}))
+    DataParallel(model, P_world, bucket_cap_mb=25 if comm.rank == 0 else np.float64(25.0))  # equal values agree
 
 
 @sizes(2, 3)

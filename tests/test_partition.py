@@ -202,7 +202,8 @@ def test_broadcast_and_reduction_partitions(P_world, comm):
     dest_shape = {2: (2, 1), 3: (3, 1), 4: (2, 2)}[n]
     src_shape = (dest_shape[1],)
     # Sources are the last ranks, so source and destination overlap only partly.
-    P_src = P_world.create_partition_inclusive(range(n - src_shape[0], n)).create_cartesian_topology_partition(src_shape)
+    P_src = P_world.create_partition_inclusive(range(n - src_shape[0], n)).create_cartesian_topology_partition(
+        src_shape)
     P_dest = P_world.create_cartesian_topology_partition(dest_shape)
     P_send, P_recv = P_src.create_broadcast_partition_to(P_dest)
     assert P_send.active == P_src.active
@@ -252,7 +253,8 @@ def test_broadcast_partitions_transposed(P_world, comm):
 @sizes(1, 2, 3, 4)
 def test_errors_are_raised_on_every_rank_before_communicating(P_world, comm):
     n = comm.size
-    with pytest.raises(ValueError, match=rf"create_cartesian_topology_partition: expected a shape .* size {n}, got \[{n}, 2\]"):
+    with pytest.raises(ValueError, match=rf"create_cartesian_topology_partition: expected a shape .* size {n}, "
+                                         rf"got \[{n}, 2\]"):
         P_world.create_cartesian_topology_partition([n, 2])
     with pytest.raises(ValueError, match=rf"got \[{n}, 2\] \(launch {2 * n} ranks for it: mpiexec -n {2 * n}\)$"):
         P_world.create_cartesian_topology_partition([n, 2])

@@ -303,3 +303,60 @@ def test_arguments_of_the_kit(P_world, comm):
         y = random_tensor((2 * comm.size + 1, 2), seed=4, dtype=dtype)
         Q = P_world.create_cartesian_topology_partition((comm.size, 1))
         assert gather(scatter(y, Q), Q).view(torch.uint8).equal(y.view(torch.uint8))
+
+
+@sizes(1, 2, 3)
+def test_an_inf_does_not_loosen_the_16_bit_tolerance(P_world, comm):
+    """The scaled atol of the 16-bit dtypes came from the largest magnitude expected: one inf made it inf, and every
+    finite value passed (a layer off by 5 everywhere, in float16). It comes from the finite values now."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((2 * comm.size, 3), seed=1, dtype=torch.float16)
+    x[::2, 0] = 60000  # doubled: inf in every worker's block
+    with pytest.raises(AssertionError, match="forward differs from the sequential result"):
+        assert_sequential_equivalence(lambda t: t * 2 + 5, lambda t: t * 2, x, P_x, P_x)
+    assert_sequential_equivalence(lambda t: t * 2, lambda t: t * 2, x, P_x, P_x)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_layer_raising_on_one_worker_fails_on_every_worker(P_world, comm, where):
+    """A layer that raises on the last worker alone, after its collectives (forward, or its backward): the others
+    waited for ever in the kit's next collective, while the caller caught the error there. Every worker raises."""
+    P_x, P_y, op = _pair(P_world, comm)
+
+    def fail(grad):
+        raise RuntimeError("wrong on purpose")
+
+    def distributed(x):
+        last = comm.rank == comm.size - 1
+        y = op(_Backward.apply(x, fail) if last and where == "backward" else x)  # raising after op's backward
+        if last and where == "forward":
+            fail(y)
+        return y
+    what = "the distributed operator" + ("'s backward" if where == "backward" else "")
+    with pytest.raises(AssertionError, match=f"assert_sequential_equivalence: {what} raised on rank "
+                                             f"{comm.size - 1}: RuntimeError: wrong on purpose"):
+        assert_sequential_equivalence(distributed, lambda x: x, random_tensor((4, 5), seed=1), P_x, P_y)
+    with pytest.raises(AssertionError, match=f"assert_adjoint: the {where if where == 'backward' else 'operator'} "
+                                             f"raised on rank {comm.size - 1}: RuntimeError: wrong on purpose"):
+        assert_adjoint(distributed, scatter(torch.zeros(4, 5), P_x), comm)
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("what", ["x_global", "the sequential result"])
+def test_inputs_that_differ_between_workers_are_named(P_world, comm, what):
+    """An x_global drawn unseeded, or a sequential operator whose parameters differ per worker: a correct layer
+    failed as if it were wrong ("forward differs"). The kit names what differs."""
+    P_x, P_y, op = _pair(P_world, comm)
+    x = random_tensor((4, 5), seed=1 + (comm.rank if what == "x_global" else 0))
+    sequential = (lambda t: t) if what == "x_global" else (lambda t: t + comm.rank)
+    with pytest.raises(AssertionError, match=f"{what} on rank 1 differs from rank 0's"):
+        assert_sequential_equivalence(op, sequential, x, P_x, P_y)
+
+
+@sizes(1, 2)
+def test_adjoint_seeds_of_any_size(P_world, comm):
+    """A seed past 2**63 (a time in nanoseconds times the kit's factor) raised torch's overflow error."""
+    P_x, _, op = _pair(P_world, comm)
+    assert_adjoint(op, scatter(torch.zeros(4, 5), P_x), comm, seed=10**15)
+    assert random_tensor(3, seed=2**70 + 5).equal(random_tensor(3, seed=(2**70 + 5) % 2**63))

@@ -52,10 +52,12 @@ class _Counted(torch.nn.Module):
 
 
 @sizes(1, 2, 3)
-@pytest.mark.parametrize("kind", ["linear", "feature conv", "channel conv", "batch norm"])
+@pytest.mark.parametrize("kind", ["linear", "feature conv", "channel conv", "batch norm", "all-gather linear",
+                                  "reduce-scatter linear", "layer norm"])
 def test_a_parametrized_weight_is_computed_once_per_forward(P_world, comm, kind):
-    """The input's dtype check read the weight before the forward read it again: a parametrization ran twice per
-    forward (spectral_norm's power iteration two steps, so u and the gradients drifted from torch's)."""
+    """The input's dtype check read the weight (a test the bias) before the forward read it again: a
+    parametrization ran twice per forward (spectral_norm's power iteration two steps, so u and the gradients drifted
+    from torch's)."""
     n = comm.size
     P_one = P_world.create_partition_inclusive([0])
     P_row, P_image = (P_world.create_cartesian_topology_partition(s) for s in ((1, n), (1, 1, n)))
@@ -67,17 +69,24 @@ def test_a_parametrized_weight_is_computed_once_per_forward(P_world, comm, kind)
               "channel conv": (lambda: dnn.DistributedConv1d(P_channels, P_one.create_cartesian_topology_partition(
                   (1, 1, 1)), P_channels, 5, 3, 3), torch.nn.Conv1d(5, 3, 3), (2, 5, 6), P_channels),
               "batch norm": (lambda: dnn.DistributedBatchNorm(P_image, 3), torch.nn.BatchNorm1d(3), (2, 3, 7),
-                             P_image)}
+                             P_image),
+              "all-gather linear": (lambda: dnn.DistributedLinearAllGather(P_row, 7, 5), torch.nn.Linear(7, 5),
+                                    (3, 7), P_row),
+              "reduce-scatter linear": (lambda: dnn.DistributedLinearReduceScatter(P_row, 7, 5),
+                                        torch.nn.Linear(7, 5), (3, 7), P_row),
+              "layer norm": (lambda: dnn.DistributedLayerNorm(P_row, 7), torch.nn.LayerNorm(7), (3, 7), P_row)}
     make, sequential, shape, P_x = layers[kind]
     layer = make()
     for module in (layer, sequential):
-        torch.nn.utils.parametrize.register_parametrization(module, "weight", _Counted())
+        for name in ("weight", "bias"):
+            if getattr(module, name) is not None:  # a bias on some workers of the layer only
+                torch.nn.utils.parametrize.register_parametrization(module, name, _Counted())
     x = random_tensor(shape, seed=1, dtype=torch.float32)
     _Counted.calls = 0
     sequential(x)
     expected, _Counted.calls = _Counted.calls, 0
     layer(scatter(x, P_x))
-    assert expected == 1 and _Counted.calls == expected, kind
+    assert expected == 2 and _Counted.calls == len(layer.parametrizations), kind
 
 
 @sizes(1, 2, 3)
@@ -86,7 +95,8 @@ def test_deferred_initialisation_on_the_meta_device(P_world, comm, how):
     """Built on the meta device (torch's deferred initialisation), then to_empty() and reset_parameters() from the
     same seed, every layer holds what it holds built directly. The seed was drawn on the default device (no
     values on meta: torch's error under `with torch.device("meta")`), the feature convolution broadcast its meta
-    parameters (mpi4py's "expecting non-NULL address"), and a forward on meta tensors failed inside torch."""
+    parameters (mpi4py's "expecting non-NULL address"), and a forward on meta tensors failed inside torch. A layer
+    not materialised is refused with TypeError, and so is DataParallel of one."""
     n = comm.size
     P_one = P_world.create_partition_inclusive([0])
     P_row, P_image = (P_world.create_cartesian_topology_partition(s) for s in ((1, n), (1, 1, n)))
@@ -110,13 +120,20 @@ def test_deferred_initialisation_on_the_meta_device(P_world, comm, how):
             with torch.device("meta"):
                 layer = build()
         assert all(t.is_meta for t in layer.state_dict().values())
-        if isinstance(layer, dnn.DistributedLinearAllGather):
-            x = torch.empty(3, layer.weight.shape[1] if n == 1 else 7 // n + (comm.rank < 7 % n), device="meta")
-            with pytest.raises(TypeError, match="DistributedLinearAllGather: expected a tensor with values .MPI "
-                                                "moves them., got one on the meta device"):
-                layer(x)
+        # not materialised: refused on every worker, naming the layer (torch's errors on some workers, or a meta
+        # output), before any input check or communication
+        with pytest.raises(TypeError, match=f"{type(layer).__name__}: expected parameters and buffers with values, "
+                                            "got weight on the meta device"):
+            layer(torch.zeros(1))
+        with pytest.raises(TypeError, match="DataParallel: expected parameters and buffers with values"):
+            dnn.DataParallel(layer, P_world)
         layer.to_empty(device="cpu")
         torch.manual_seed(1)
         layer.reset_parameters()
         for key, value in expected.state_dict().items():
             torch.testing.assert_close(layer.state_dict()[key], value, rtol=0, atol=0, msg=key)
+        if isinstance(layer, dnn.DistributedLinearAllGather):  # a meta input
+            x = torch.empty(3, 7 // n + (comm.rank < 7 % n), device="meta")
+            with pytest.raises(TypeError, match="DistributedLinearAllGather: expected a tensor with values .MPI "
+                                                "moves them., got one on the meta device"):
+                layer(x)

@@ -66,7 +66,8 @@ def test_inactive_and_errors(P_world, comm):
     x = scatter(random_tensor(shape, seed=1), P_x) if P_x.active else torch.zeros(0, dtype=torch.float64)
     assert_adjoint(lambda t: window_exchange(t, P_x, shape, windows), x, comm)
     if P_x.active:
-        with pytest.raises(ValueError, match=r"window_exchange: expected a block of shape \(2,\) on rank \d, got \(3,\)"):
+        with pytest.raises(ValueError,
+                           match=r"window_exchange: expected a block of shape \(2,\) on rank \d, got \(3,\)"):
             window_exchange(torch.ones(3), P_x, shape, windows)
         with pytest.raises(ValueError, match="window_exchange: expected 2 windows of 1 dimensions, got 1"):
             window_exchange(x, P_x, shape, windows[:1])

@@ -50,7 +50,7 @@ from distdl.backends import cuda
 from distdl.backends import mpi as transport
 from distdl.checks import check_mode, checksum, verify
 from distdl.functional._common import check_flags, check_partition
-from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, parameter_layouts
+from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_materialised, parameter_layouts
 from distdl.partition import MPIPartition
 from distdl.utilities.caches import keep
 
@@ -223,6 +223,8 @@ class DataParallel(torch.nn.Module):
                  op: str = "avg", broadcast_buffers: bool = True) -> None:
         super().__init__()
         params = _validate("DataParallel", module, P, op, bucket_cap_mb)
+        for m in module.modules():
+            check_materialised("DataParallel", m)
         (self.broadcast_buffers,) = check_flags("DataParallel", broadcast_buffers=broadcast_buffers)
         self.module, self.P, self.op, self.bucket_cap_mb = module, P, op, bucket_cap_mb
         self._divisor = P.size if op == "avg" else 1
@@ -330,7 +332,7 @@ class DataParallel(torch.nn.Module):
     def _settings(self) -> dict:
         """What every member of ``P`` must construct alike (op="avg" on one member: replicas apart, silently;
         broadcast_buffers on some: a hang)."""
-        return {"op": self.op, "broadcast_buffers": self.broadcast_buffers, "bucket_cap_mb": self.bucket_cap_mb}
+        return {"op": self.op, "broadcast_buffers": self.broadcast_buffers, "bucket_cap_mb": float(self.bucket_cap_mb)}
 
     def __deepcopy__(self, memo):
         raise TypeError("DataParallel: expected no deep copy of the wrapper (it holds a communicator and hooks on "

@@ -121,10 +121,11 @@ class DistributedLayerNorm(CollectStateMixin, torch.nn.Module):
         mean, var, _ = global_moments(x, dims, self.P_x, self.axes)
         compute = torch.promote_types(x.dtype, torch.float32)
         y = (x.to(compute) - mean.to(compute)) * torch.rsqrt(var.to(compute) + self.eps)
-        affine = [t for t in (self.weight, self.bias) if t is not None]
+        weight, bias = self.weight, self.bias  # once: a parametrization computes them at each read
+        affine = [t for t in (weight, bias) if t is not None]
         if affine:  # one gradient all-sum-reduce for both
             affine = all_sum_reduce_backward(torch.stack(affine), self.P_x, self.axes_replicated)
-            y = y * affine[0] + (affine[1] if self.bias is not None else 0)
+            y = y * affine[0] + (affine[1] if bias is not None else 0)
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -31,7 +31,7 @@ import torch
 from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, idle_output
 from distdl.functional.broadcast import broadcast, broadcast_plan
 from distdl.functional.sum_reduce import reduction_plan, sum_reduce
-from distdl.nn.module import CollectStateMixin, StateLayout
+from distdl.nn.module import CollectStateMixin, StateLayout, check_materialised
 from distdl.partition import MPIPartition
 from distdl.utilities.slicing import compute_start_index, compute_subshape
 
@@ -172,6 +172,7 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
         """Return this worker's block of ``y``. Outside ``P_y`` it is zero-volume and, as DistDL's, keeps the batch
         extent of the block this worker sent or multiplied, ``(batch, 0)`` (so ``y.view(y.size(0), -1)`` works)."""
         name = "DistributedLinear"
+        check_materialised(name, self)
         check_tensor(name, x)
         check_idle_input(name, self.P_x, x)
         weight = self.weight  # once: a parametrization computes it at each read

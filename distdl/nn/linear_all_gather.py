@@ -308,8 +308,9 @@ class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module)
             y = _all_gather_linear(name, x, weight, self.P_x, self.axis)[0]
         else:
             y = torch.nn.functional.linear(all_gather(x, self.P_x, axes_all_gather=(self.axis,)), weight)
-        if self.bias is not None:
-            y = y + replicated(self.bias, self.P_x, self.axes_replicated).to(y.dtype)  # autocast: y's dtype, as torch
+        bias = self.bias  # once: a parametrization computes it at each read
+        if bias is not None:
+            y = y + replicated(bias, self.P_x, self.axes_replicated).to(y.dtype)  # autocast: y's dtype, as torch
         return y
 
     def extra_repr(self) -> str:

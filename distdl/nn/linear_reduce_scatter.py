@@ -232,8 +232,9 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
         else:
             y = reduce_scatter(torch.nn.functional.linear(in_graph(x), weight), self.P_y,
                                axes_reduce_scatter=(self.axis,))  # in_graph: an inference tensor, as the ring takes
-        if self.bias is not None:
-            y = y + replicated(self.bias, self.P_x, self.axes_bias).to(y.dtype)  # autocast: y's dtype, as torch
+        bias = self.bias  # once: a parametrization computes it at each read
+        if bias is not None:
+            y = y + replicated(bias, self.P_x, self.axes_bias).to(y.dtype)  # autocast: y's dtype, as torch
         return y
 
     def extra_repr(self) -> str:

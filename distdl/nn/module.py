@@ -40,6 +40,7 @@ each worker's own local tensors (one checkpoint per worker).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -113,6 +114,15 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
         if isinstance(hook, SpectralNorm) and hook.name in split:  # its power iteration's vectors are the block's
             raise ValueError(f"{where}: expected no torch.nn.utils.spectral_norm on a tensor a distdl layer splits, "
                              f"got one on {hook.name} of {type(module).__name__}")
+
+
+def check_materialised(where: str, module: torch.nn.Module) -> None:
+    """Raise TypeError where one of ``module``'s own parameters or buffers is on the meta device (no values: a
+    layer built there and not materialised since; it failed in torch, on some workers only, or ran on)."""
+    for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
+        if t is not None and t.is_meta:
+            raise TypeError(f"{where}: expected parameters and buffers with values, got {name} on the meta device; "
+                            "materialise the module first (module.to_empty(device=...), then reset_parameters())")
 
 
 def parameter_layouts(module: torch.nn.Module) -> list[tuple[str, torch.Tensor, StateLayout | None]]:
@@ -200,10 +210,10 @@ class CollectStateMixin:
                 layouts[hook.name + "_orig"] = layouts[hook.name]
             elif isinstance(hook, WeightNorm) and hook.name in layouts:
                 layout = layouts[hook.name + "_v"] = layouts[hook.name]
-                if hook.dim == -1:  # the norm of the whole tensor, a scalar
+                if hook.dim == -1:  # the norm of the whole tensor, a scalar (torch's reading of -1)
                     layouts[hook.name + "_g"] = StateLayout(())
-                else:  # one norm per slice along dim
-                    keep = [d == hook.dim for d in range(len(layout.axes))]
+                else:  # one norm per slice along dim (another negative one counts from the end)
+                    keep = [d == hook.dim % len(layout.axes) for d in range(len(layout.axes))]
                     layouts[hook.name + "_g"] = StateLayout([n if k else 1 for n, k in zip(layout.global_shape, keep)],
                                                             [a if k else None for a, k in zip(layout.axes, keep)],
                                                             layout.first)
@@ -276,8 +286,10 @@ class CollectStateMixin:
         convolution's kernel, a norm's affine parameters and running statistics, the blocks of a tensor-parallel
         layer along its other axes). A copy changed on some workers only (initialised again, or a state dict
         loaded, under ``if rank == 0``, as DistDL's examples do where a root held the only copy) leaves the copies
-        apart and the results wrong.
+        apart and the results wrong. Also refuses (TypeError, in any mode) a layer built on the meta device and not
+        materialised since.
         """
+        check_materialised(where, self)
         if not check_mode():
             return
         P = self._state_partition()
@@ -304,6 +316,7 @@ class CollectStateMixin:
         if not self.collect_state:
             return
         check_unparametrized("state_dict", self)
+        check_materialised("state_dict", self)
         P, tensors = self._collected_on("state_dict", prefix), self._state_tensors()
         split = {name: entry for name, entry in tensors.items() if not entry[1].replicated}
         pieces = None
