@@ -226,6 +226,24 @@ def test_parametrized_layers_are_refused(P_world, comm):
         layer.load_state_dict({})
 
 
+def _assert_clipped_step_and_state(layer, sequential, P_world, P_f, comm, z, original):
+    """After a backward through both: the norm, the clipped step and the collected state dict are torch's, and a
+    checkpoint the layer does not hold yet (``original`` scaled) loads as blocks."""
+    norm = clip_grad_norm_(layer, 0.01, P_world)
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.01), rtol=1e-12,
+                               atol=0)
+    for module in (layer, sequential):
+        torch.optim.SGD(module.parameters(), lr=1.0).step()
+    state = layer.state_dict()
+    assert sorted(state) == (sorted(sequential.state_dict()) if comm.rank == 0 else [])
+    if comm.rank == 0:
+        for key, value in sequential.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
+    getattr(sequential, original).data.mul_(3)
+    layer.load_state_dict(sequential.state_dict() if comm.rank == 0 else {})
+    torch.testing.assert_close(layer(scatter(z, P_f)), scatter(sequential(z), P_f), rtol=1e-12, atol=1e-12)
+
+
 @sizes(1, 2, 3)
 def test_pruned_layers(P_world, comm):
     """torch.nn.utils.prune keeps a pruned weight as weight_orig (a parameter) and weight_mask (a buffer): both are
@@ -242,19 +260,7 @@ def test_pruned_layers(P_world, comm):
     z, u = random_tensor((3, 4), seed=3), random_tensor((3, 6), seed=4)
     DistributedMSELoss(P_f)(layer(scatter(z, P_f)), scatter(u, P_f)).backward()
     torch.nn.MSELoss()(sequential(z), u).backward()
-    norm = clip_grad_norm_(layer, 0.01, P_world)
-    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.01), rtol=1e-12,
-                               atol=0)
-    for module in (layer, sequential):
-        torch.optim.SGD(module.parameters(), lr=1.0).step()
-    state = layer.state_dict()
-    assert sorted(state) == (["bias", "weight_mask", "weight_orig"] if comm.rank == 0 else [])
-    if comm.rank == 0:
-        for key, value in sequential.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
-    sequential.weight_orig.data.mul_(3)  # a checkpoint the layer does not hold yet: loaded as blocks
-    layer.load_state_dict(sequential.state_dict() if comm.rank == 0 else {})
-    torch.testing.assert_close(layer(scatter(z, P_f)), scatter(sequential(z), P_f), rtol=1e-12, atol=1e-12)
+    _assert_clipped_step_and_state(layer, sequential, P_world, P_f, comm, z, "weight_orig")
 
 
 @sizes(1, 2, 3)
@@ -279,19 +285,7 @@ def test_hook_based_weight_norm(P_world, comm, dim):
             return
         DistributedMSELoss(P_f)(layer(scatter(z, P_f)), scatter(u, P_f)).backward()
     torch.nn.MSELoss()(sequential(z), u).backward()
-    norm = clip_grad_norm_(layer, 0.01, P_world)
-    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(sequential.parameters(), 0.01), rtol=1e-12,
-                               atol=0)
-    for module in (layer, sequential):
-        torch.optim.SGD(module.parameters(), lr=1.0).step()
-    state = layer.state_dict()
-    assert sorted(state) == (["bias", "weight_g", "weight_v"] if comm.rank == 0 else [])
-    if comm.rank == 0:
-        for key, value in sequential.state_dict().items():
-            torch.testing.assert_close(state[key], value, rtol=1e-12, atol=1e-12, msg=key)
-    sequential.weight_g.data.mul_(3)  # a checkpoint the layer does not hold yet: loaded as blocks
-    layer.load_state_dict(sequential.state_dict() if comm.rank == 0 else {})
-    torch.testing.assert_close(layer(scatter(z, P_f)), scatter(sequential(z), P_f), rtol=1e-12, atol=1e-12)
+    _assert_clipped_step_and_state(layer, sequential, P_world, P_f, comm, z, "weight_g")
 
 
 @sizes(2)

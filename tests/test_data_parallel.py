@@ -887,24 +887,27 @@ def test_a_second_backward_in_a_step_leaves_what_the_first_reduced(P_world, comm
             torch.testing.assert_close(p.grad, q.grad / (comm.size if op == "avg" else 1), rtol=1e-12, atol=1e-12)
 
 
+class _TwoHeads(torch.nn.Module):
+    """Two heads on one input; the second (a) used where asked."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b = torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 3).double()
+
+    def forward(self, x, use_a=True):
+        return self.b(x).tanh().sum() + (self.a(x).square().sum() if use_a else 0)
+
+
 @sizes(2, 3)
 def test_a_second_backward_reaching_a_parameter_on_some_workers_with_avg(P_world, comm):
     """With op="avg", a second backward in a step that reaches a parameter on worker 0 only averages each worker's
     share of the first's average in again: g + dA / P (leaving it out gave (g + dA) / P, silently)."""
-    class Heads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(4)
-            self.a, self.b = torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 3).double()
-
-        def forward(self, x, use_a=True):
-            return self.b(x).tanh().sum() + (self.a(x).square().sum() if use_a else 0)
-
-    wrapped = DataParallel(Heads(), P_world, op="avg")
+    wrapped = DataParallel(_TwoHeads(), P_world, op="avg")
     x = random_tensor((2, 4), seed=comm.rank)
     wrapped(x).backward()
     wrapped(2 * x, use_a=comm.rank == 0).backward()
-    sequential = Heads()
+    sequential = _TwoHeads()
     for r in range(comm.size):
         x_r = random_tensor((2, 4), seed=r)
         ((sequential(x_r) + sequential(2 * x_r, use_a=r == 0)) / comm.size).backward()
@@ -1220,16 +1223,7 @@ def test_an_accumulated_gradient_on_some_workers_raises_on_every_worker(P_world,
     reaching a head there alone; or, in no_sync(), a micro-batch where worker 0 alone did not zero them) raised on
     worker 0 alone, and the others waited for it. Every worker raises at the end of the backward that reduces
     (none where the gradients were set to None before it), and the next step is exact."""
-    class Heads(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(4)
-            self.a, self.b = torch.nn.Linear(4, 2).double(), torch.nn.Linear(4, 3).double()
-
-        def forward(self, x, use_a=True):
-            return self.b(x).tanh().sum() + (self.a(x).square().sum() if use_a else 0)
-
-    wrapped = DataParallel(Heads(), P_world, op="sum")
+    wrapped = DataParallel(_TwoHeads(), P_world, op="sum")
     x = random_tensor((2, 4), seed=comm.rank)
     wrapped(x).backward()
     with contextlib.nullcontext() if how.endswith("zeroed") else pytest.raises(
@@ -1247,7 +1241,7 @@ def test_an_accumulated_gradient_on_some_workers_raises_on_every_worker(P_world,
             wrapped(2 * x, use_a=comm.rank == 0).backward()
     wrapped.zero_grad()
     wrapped(x).backward()
-    sequential = Heads()
+    sequential = _TwoHeads()
     sum(sequential(random_tensor((2, 4), seed=r)) for r in range(comm.size)).backward()
     for p, q in zip(wrapped.module.parameters(), sequential.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
