@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch
         shape = (operator.index(shape),)  # one int (or a numpy integer)
     except TypeError:
         pass
-    generator = torch.Generator().manual_seed(seed % 2**63)  # any int (a time in ns, a product of seeds)
+    generator = torch.Generator().manual_seed(operator.index(seed) % 2**63)  # any int (a time in ns, a product of seeds)
     draw = torch.complex128 if dtype.is_complex else torch.float64
     return torch.randn(tuple(shape), generator=generator, dtype=draw).to(dtype)
 
@@ -166,10 +167,17 @@ _DETACHED = ("is not in the autograd graph of the input (detached, or a new leaf
              "values): no gradient flows back there, and the other workers' backward would wait for it")
 
 
+# How long a worker whose operator raised waits for the others at the kit's next agreement before it raises that
+# error alone (they may wait in the operator's own collective, which it left: then, as without the kit, the abort
+# hook ends the job).
+PATIENCE_SECONDS = 30.0
+
+
 def _attempt(comm: MPI.Comm, what: str, function: Callable, *args):
     """Return ``function(*args)``; where it raises on some worker, raise AssertionError on every worker of ``comm``
-    (from the exception where it was raised): a worker raising alone left the others waiting in the next collective
-    (a layer wrong on some workers only, after its own collectives)."""
+    (from the exception where it was raised): a worker raising alone left the others waiting in the kit's next
+    collective (a layer wrong on some workers only, after its own collectives). Where the others do not come (it
+    raised before a collective of the operator's), it raises its error alone after ``PATIENCE_SECONDS``."""
     try:
         result, error = function(*args), None
     except Exception as caught:  # the user's code: anything
@@ -205,7 +213,7 @@ def assert_adjoint(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, 
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"assert_adjoint: expected an MPI communicator for comm, got {type(comm).__name__}"
                         + (" (a partition's is its .comm)" if isinstance(comm, MPIPartition) else ""))
-    base = seed * 100003 + 3 * comm.rank
+    base = operator.index(seed) * 100003 + 3 * comm.rank
     x = random_tensor(x.shape, base, torch.complex128 if x.is_complex() else torch.float64).to(x.device)
     x.requires_grad_()
     with recording_collectives() as made:
@@ -260,7 +268,9 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     TypeError on every worker, before any communication. ``x_global`` and the sequential result must be the same
     on every worker (seed them): where they differ from rank 0's, AssertionError on every worker names them. An
     exception from either operator, or from the backward, on some workers raises AssertionError on every worker
-    (from it where it was raised), so far as the others reach the kit's next collective.
+    (from it where it was raised) where the others reach the kit's next collective; where they wait in one of the
+    operator's instead, that exception is raised alone after ``PATIENCE_SECONDS`` (the abort hook ends the job).
+    NaN compares equal to NaN.
     """
     check_tensor("assert_sequential_equivalence (x_global)", x_global)
     check_partition("assert_sequential_equivalence", "P_x", P_x)
@@ -274,6 +284,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     _agree(root, _differs_from_rank_0(root, x_global, "x_global", 0.0, 0.0, "hold the same x_global everywhere"))
     x_ref = x_global.detach().clone().requires_grad_()
     y_ref = _attempt(root, "assert_sequential_equivalence: the sequential operator", sequential, x_ref)
+    _agree(root, None if isinstance(y_ref, torch.Tensor) else f"assert_sequential_equivalence: the sequential result "
+           f"on rank {rank} is a {type(y_ref).__name__}, not a tensor")
     _agree(root, _differs_from_rank_0(root, y_ref, "the sequential result", rtol, atol,
                                       "give the sequential operator the same parameters everywhere (seed them)"))
     x_local = scatter(x_global.detach(), P_x).requires_grad_()
@@ -302,15 +314,15 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float | None,
-                what: str, equal_nan: bool = False) -> str | None:
-    """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close. ``atol``
-    None: ``rtol`` times the largest finite magnitude in ``expected``."""
+                what: str) -> str | None:
+    """Return ``what`` and torch's description of how ``actual`` differs from ``expected``; None if close (NaN
+    where ``expected`` has NaN too). ``atol`` None: ``rtol`` times the largest finite magnitude in ``expected``."""
     if atol is None:  # of the finite values: one inf would let every finite value pass
         magnitudes = expected.detach().cpu().to(torch.complex64 if expected.is_complex() else torch.float32).abs()
         finite = magnitudes[torch.isfinite(magnitudes)]
         atol = rtol * float(finite.max()) if finite.numel() else 0.0
     try:
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=equal_nan)
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)  # NaN where torch has
     except AssertionError as error:
         return f"{what}: {error}"
     return None
@@ -318,23 +330,32 @@ def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol:
 
 def _differs_from_rank_0(comm: MPI.Comm, t: torch.Tensor, what: str, rtol: float, atol: float | None,
                          hint: str) -> str | None:
-    """Return how ``t`` differs from rank 0's (None where it does not, or is not a tensor): inputs every worker
-    must hold alike, or a difference would be blamed on the distributed operator."""
-    theirs = comm.bcast(_bytes(t) if comm.rank == 0 and isinstance(t, torch.Tensor) else None, root=0)
-    if not isinstance(t, torch.Tensor) or theirs is None:
-        return None
+    """Return how tensor ``t`` differs from rank 0's (None where it does not): inputs every worker must hold
+    alike, or a difference would be blamed on the distributed operator."""
+    theirs = comm.bcast(_bytes(t) if comm.rank == 0 else None, root=0)  # a tensor on every worker
     if (t.dtype, t.shape) != theirs[:2]:
         return f"{what} on rank {comm.rank} is {t.dtype} of shape {tuple(t.shape)}, on rank 0 {theirs[0]} of " \
                f"shape {tuple(theirs[1])}: {hint}"
     if np.array_equal(_bytes(t)[2], theirs[2]):
         return None
     return _difference(t.detach().cpu(), _from_bytes(*theirs), rtol, atol, f"{what} on rank {comm.rank} differs "
-                       f"from rank 0's ({hint})", equal_nan=True)
+                       f"from rank 0's ({hint})")
 
 
 def _agree(comm: MPI.Comm, failure: str | None, cause: BaseException | None = None) -> None:
     """Raise AssertionError on every worker of ``comm`` if any worker has a ``failure``, quoting them all (from
-    ``cause`` where it has one)."""
-    failures = [f for f in comm.allgather(failure) if f is not None]
-    if failures:
+    ``cause`` where it has one: that worker waits for the others ``PATIENCE_SECONDS`` at most, then raises
+    ``cause`` alone)."""
+    failed = np.array([failure is not None], dtype=np.int64)
+    request = comm.Iallreduce(MPI.IN_PLACE, failed, op=MPI.MAX)
+    if cause is None:
+        request.Wait()
+    else:
+        deadline = time.monotonic() + PATIENCE_SECONDS
+        while not request.Test():
+            if time.monotonic() > deadline:
+                raise cause
+            time.sleep(0.001)
+    if failed[0]:
+        failures = [f for f in comm.allgather(failure) if f is not None]
         raise AssertionError("\n".join(failures)) from cause

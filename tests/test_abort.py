@@ -204,6 +204,17 @@ def test_a_forked_child_never_aborts_the_job(args, module):
     assert "rank 0 finished" in result.stdout and "rank 1 finished" in result.stdout
 
 
+def test_an_operator_raising_in_the_test_kit_before_its_collective_ends_the_job():
+    """The test kit catches an operator's error to raise it on every worker; where the others wait in the operator's
+    own collective, the worker that raised waits for them a while, then raises alone and the abort hook ends the job
+    (it waited for ever)."""
+    result = _launch(script=ROOT / "tests" / "scripts" / "kit_raise_before_collective.py")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "RuntimeError: a failure on purpose, before the collective" in output, output
+    assert "finished" not in output
+
+
 @pytest.mark.parametrize("how", ["skipped", "raised"])
 def test_a_skipped_backward_ends_the_job_in_check_mode(how):
     """Rank 1 skips a DataParallel backward, or catches an error raised part-way through it: rank 0 waits in its

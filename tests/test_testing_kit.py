@@ -360,3 +360,18 @@ def test_adjoint_seeds_of_any_size(P_world, comm):
     P_x, _, op = _pair(P_world, comm)
     assert_adjoint(op, scatter(torch.zeros(4, 5), P_x), comm, seed=10**15)
     assert random_tensor(3, seed=2**70 + 5).equal(random_tensor(3, seed=(2**70 + 5) % 2**63))
+
+
+@sizes(1, 2, 3)
+def test_nan_where_the_sequential_result_has_nan(P_world, comm):
+    """A NaN where the sequential result has one is equal (a correct layer failed "forward differs"); a sequential
+    result that is not a tensor is named on every worker (torch's AttributeError, or a hang where it was one on
+    some workers only); a NumPy integer seed works."""
+    P_x, P_y, op = _pair(P_world, comm)
+    x = random_tensor((4, 5), seed=np.int64(1))
+    x[1, 2] = float("nan")
+    assert_sequential_equivalence(lambda t: op(t * 2), lambda t: t * 2, x, P_x, P_y)
+    with pytest.raises(AssertionError, match="forward differs"):
+        assert_sequential_equivalence(lambda t: op(t * 2).nan_to_num(), lambda t: t * 2, x, P_x, P_y)
+    with pytest.raises(AssertionError, match="the sequential result on rank 0 is a tuple, not a tensor"):
+        assert_sequential_equivalence(op, lambda t: (t,) if comm.rank == 0 else t, x, P_x, P_y)

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import math
 import weakref
 import zlib
 from collections import Counter
@@ -332,7 +333,11 @@ class DataParallel(torch.nn.Module):
     def _settings(self) -> dict:
         """What every member of ``P`` must construct alike (op="avg" on one member: replicas apart, silently;
         broadcast_buffers on some: a hang)."""
-        return {"op": self.op, "broadcast_buffers": self.broadcast_buffers, "bucket_cap_mb": float(self.bucket_cap_mb)}
+        try:
+            cap = float(self.bucket_cap_mb)  # by value: 25 on one member, 25.0 on another agree
+        except OverflowError:  # an int past float's range: no cap
+            cap = math.inf
+        return {"op": self.op, "broadcast_buffers": self.broadcast_buffers, "bucket_cap_mb": cap}
 
     def __deepcopy__(self, memo):
         raise TypeError("DataParallel: expected no deep copy of the wrapper (it holds a communicator and hooks on "

@@ -117,10 +117,11 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
 
 
 def check_materialised(where: str, module: torch.nn.Module) -> None:
-    """Raise TypeError where one of ``module``'s own parameters or buffers is on the meta device (no values: a
-    layer built there and not materialised since; it failed in torch, on some workers only, or ran on)."""
+    """Raise TypeError where one of ``module``'s own parameters or buffers is on the meta device and has elements (no
+    values: a layer built there and not materialised since; it failed in torch, on some workers only, or ran on).
+    An empty one needs no values (a worker outside the layer keeps its own when a state dict is assigned)."""
     for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
-        if t is not None and t.is_meta:
+        if t is not None and t.is_meta and t.numel():
             raise TypeError(f"{where}: expected parameters and buffers with values, got {name} on the meta device; "
                             "materialise the module first (module.to_empty(device=...), then reset_parameters())")
 
