@@ -37,7 +37,7 @@ def random_tensor(shape, seed: int, dtype: torch.dtype = torch.float64) -> torch
         shape = (operator.index(shape),)  # one int (or a numpy integer)
     except TypeError:
         pass
-    generator = torch.Generator().manual_seed(operator.index(seed) % 2**63)  # any int (a time in ns, a product of seeds)
+    generator = torch.Generator().manual_seed(operator.index(seed) % 2**63)  # any int (a time in ns, say)
     draw = torch.complex128 if dtype.is_complex else torch.float64
     return torch.randn(tuple(shape), generator=generator, dtype=draw).to(dtype)
 
