@@ -332,11 +332,12 @@ def _differs_from_rank_0(comm: MPI.Comm, t: torch.Tensor, what: str, rtol: float
                          hint: str) -> str | None:
     """Return how tensor ``t`` differs from rank 0's (None where it does not): inputs every worker must hold
     alike, or a difference would be blamed on the distributed operator."""
-    theirs = comm.bcast(_bytes(t) if comm.rank == 0 else None, root=0)  # a tensor on every worker
+    mine = _bytes(t)  # a tensor on every worker
+    theirs = comm.bcast(mine if comm.rank == 0 else None, root=0)
     if (t.dtype, t.shape) != theirs[:2]:
         return f"{what} on rank {comm.rank} is {t.dtype} of shape {tuple(t.shape)}, on rank 0 {theirs[0]} of " \
                f"shape {tuple(theirs[1])}: {hint}"
-    if np.array_equal(_bytes(t)[2], theirs[2]):
+    if np.array_equal(mine[2], theirs[2]):
         return None
     return _difference(t.detach().cpu(), _from_bytes(*theirs), rtol, atol, f"{what} on rank {comm.rank} differs "
                        f"from rank 0's ({hint})")
