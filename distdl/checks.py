@@ -158,10 +158,12 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     ranks = _world_ranks(comm)
     differences = {}
     facts_seen = dict.fromkeys(key for description in described for key in description)
+    failed = _FAILED in facts_seen
     for fact in sorted(facts_seen, key=lambda fact: fact != _FAILED):  # a failed local check first: the cause
         groups: dict[Any, list[int]] = {}
         for rank, description in zip(ranks, described):
-            groups.setdefault(description.get(fact, "nothing"), []).append(rank)
+            if fact == _FAILED or not failed or _FAILED not in description:  # a failed call has no other facts
+                groups.setdefault(description.get(fact, "nothing"), []).append(rank)
         if len(groups) > 1:
             differences[fact] = groups
     if not differences:  # a record from a collective other than verify(), or a hash collision

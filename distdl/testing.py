@@ -266,11 +266,13 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     largest terms); exact for other dtypes (float8).
     ``x_global`` must be of a floating or complex dtype (the input gradient is compared): any other raises
     TypeError on every worker, before any communication. ``x_global`` and the sequential result must be the same
-    on every worker (seed them): where they differ from rank 0's, AssertionError on every worker names them. An
-    exception from either operator, or from the backward, on some workers raises AssertionError on every worker
-    (from it where it was raised) where the others reach the kit's next collective; where they wait in one of the
-    operator's instead, that exception is raised alone after ``PATIENCE_SECONDS`` (the abort hook ends the job).
-    NaN compares equal to NaN.
+    on every worker (seed them): where they differ from rank 0's, AssertionError on every worker names them; a
+    sequential result outside the autograd graph gives the input a zero gradient. An exception from either operator,
+    or from either backward, on some workers raises AssertionError on every worker (from it where it was raised)
+    where the others reach the kit's next collective; where they wait in one of the operator's instead, that
+    exception is raised alone after ``PATIENCE_SECONDS`` (the abort hook ends the job). NaN compares equal to NaN
+    (in complex values part by part). After check mode's timeout (a CollectiveTimeoutError from the operator,
+    raised here as AssertionError) the communicators are out of step: the program cannot go on.
     """
     check_tensor("assert_sequential_equivalence (x_global)", x_global)
     check_partition("assert_sequential_equivalence", "P_x", P_x)
@@ -300,7 +302,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
         failure = f"rank {rank} is outside P_y but got output of shape {tuple(y_local.shape)}"
     _agree(root, failure)
     dy_global = random_tensor(y_ref.shape, seed + 7777, y_ref.dtype)
-    y_ref.backward(dy_global)
+    if y_ref.requires_grad:  # else the input gets no gradient from it: zero
+        _attempt(root, "assert_sequential_equivalence: the sequential operator's backward", y_ref.backward, dy_global)
     dy_local = scatter(dy_global, P_y)
     _attempt(root, "assert_sequential_equivalence: the distributed operator's backward", y_local.backward,
              dy_local if P_y.active else torch.zeros_like(y_local))
@@ -308,7 +311,8 @@ def assert_sequential_equivalence(distributed: Callable[[torch.Tensor], torch.Te
     failure = None
     if P_x.active:
         grad = torch.zeros_like(x_local) if x_local.grad is None else x_local.grad  # None: an unused input
-        failure = _difference(grad, expected_grad, rtol, atol, f"input gradient differs on rank {rank}")
+        failure = _difference(grad, expected_grad, rtol, atol, f"input gradient differs on rank {rank}" + (
+            "" if y_ref.requires_grad else " (the sequential result is not in the autograd graph: zero expected)"))
     _agree(root, failure)
     return x_local, y_local
 
@@ -323,6 +327,10 @@ def _difference(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol:
         atol = rtol * float(finite.max()) if finite.numel() else 0.0
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)  # NaN where torch has
+        if actual.is_complex() and (nan := expected.isnan()).any():  # NaN in either part: compare the parts there
+            torch.testing.assert_close(torch.view_as_real(actual[nan].resolve_conj()),
+                                       torch.view_as_real(expected[nan].resolve_conj()), rtol=rtol, atol=atol,
+                                       equal_nan=True)
     except AssertionError as error:
         return f"{what}: {error}"
     return None

@@ -201,6 +201,11 @@ def test_an_unused_input_has_a_zero_gradient(P_world, comm):
     assert_sequential_equivalence(zero, lambda x: torch.zeros_like(x) * w, random_tensor((3, 2), seed=5), P, P)
     with pytest.raises(AssertionError, match="input gradient differs on rank"):  # and a zero gradient is compared
         assert_sequential_equivalence(zero, lambda x: x - x.detach(), random_tensor((3, 2), seed=5), P, P)
+    # a sequential result outside the graph: zero too (torch's "does not require grad" from its backward)
+    assert_sequential_equivalence(zero, torch.zeros_like, random_tensor((3, 2), seed=5), P, P)
+    with pytest.raises(AssertionError, match=r"input gradient differs on rank \d+ \(the sequential result is not in "
+                                             r"the autograd graph: zero expected\)"):
+        assert_sequential_equivalence(lambda x: x * 1, lambda x: x.detach(), random_tensor((3, 2), seed=5), P, P)
 
 
 @sizes(2, 3)
@@ -315,6 +320,34 @@ def test_an_inf_does_not_loosen_the_16_bit_tolerance(P_world, comm):
     with pytest.raises(AssertionError, match="forward differs from the sequential result"):
         assert_sequential_equivalence(lambda t: t * 2 + 5, lambda t: t * 2, x, P_x, P_x)
     assert_sequential_equivalence(lambda t: t * 2, lambda t: t * 2, x, P_x, P_x)
+
+
+@sizes(1, 2, 3)
+def test_a_nan_in_one_part_of_a_complex_value_hides_nothing(P_world, comm):
+    """torch's equal_nan takes a complex value with NaN in either part for NaN: a layer whose imaginary parts were
+    off wherever the real part is NaN passed. The parts are compared there."""
+    P_x = P_world.create_cartesian_topology_partition((comm.size, 1))
+    x = random_tensor((comm.size + 2, 3), seed=1, dtype=torch.complex128)
+    x.real[:, 0] = float("nan")
+    with pytest.raises(AssertionError, match="forward differs from the sequential result"):
+        assert_sequential_equivalence(lambda t: t + 5j * t.real.isnan(), lambda t: t * 1, x, P_x, P_x)
+    assert_sequential_equivalence(lambda t: t * 1, lambda t: t * 1, x, P_x, P_x)
+
+
+@sizes(2, 3)
+def test_a_sequential_backward_raising_on_one_worker_fails_on_every_worker(P_world, comm):
+    """The sequential operator's backward raised torch's error on that worker alone, the others waiting in the
+    distributed backward (a hang where it was caught)."""
+    P_x, P_y, op = _pair(P_world, comm)
+
+    def fail(grad):
+        raise RuntimeError("wrong on purpose")
+
+    def sequential(x):
+        return _Backward.apply(x, fail) if comm.rank == comm.size - 1 else x * 1
+    with pytest.raises(AssertionError, match=f"assert_sequential_equivalence: the sequential operator's backward "
+                                             f"raised on rank {comm.size - 1}: RuntimeError: wrong on purpose"):
+        assert_sequential_equivalence(op, sequential, random_tensor((4, 5), seed=1), P_x, P_y)
 
 
 @sizes(2, 3)

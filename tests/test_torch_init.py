@@ -101,8 +101,12 @@ def test_deferred_initialisation_on_the_meta_device(P_world, comm, how):
     P_one = P_world.create_partition_inclusive([0])
     P_row, P_image = (P_world.create_cartesian_topology_partition(s) for s in ((1, n), (1, 1, n)))
     P_channels = P_world.create_cartesian_topology_partition((1, n, 1))
+    P_column = P_world.create_cartesian_topology_partition((n, 1))
     builders = [lambda **f: dnn.DistributedLinear(P_row, P_one.create_cartesian_topology_partition((1, 1)), P_row,
                                                   7, 5, **f),
+                # the last worker's blocks are empty (it went on into the broadcast while the others raised)
+                lambda **f: dnn.DistributedLinear(P_one.create_cartesian_topology_partition((1, 1)), P_row, P_column,
+                                                  4, max(n - 1, 1), **f),
                 lambda **f: dnn.DistributedLinearAllGather(P_row, 7, 5, **f),
                 lambda **f: dnn.DistributedLinearReduceScatter(P_row, 7, 5, **f),
                 lambda **f: dnn.DistributedEmbedding(P_row, 9, 6, **f),
@@ -137,3 +141,23 @@ def test_deferred_initialisation_on_the_meta_device(P_world, comm, how):
             with pytest.raises(TypeError, match="DistributedLinearAllGather: expected a tensor with values .MPI "
                                                 "moves them., got one on the meta device"):
                 layer(x)
+
+
+@sizes(1, 2, 3)
+def test_a_meta_layer_loads_a_collected_state_with_assign(P_world, comm):
+    """torch's deferred initialisation: built on the meta device, then load_state_dict(rank 0's dict, assign=True).
+    The workers of the layer take their blocks; the last worker, outside it, kept its empty meta tensors (and
+    alone refused the forward before the meta check let empty ones pass, which let a worker with empty blocks of
+    an unmaterialised layer go on into its collectives alone)."""
+    from distdl.testing import assert_sequential_equivalence
+    k = max(1, comm.size - 1)  # the last worker is outside P_x and P_w where there are two or more
+    P_k = P_world.create_partition_inclusive(range(k))
+    P_x, P_w = (P_k.create_cartesian_topology_partition((1, k)) for _ in range(2))
+    P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(5, 3).double()
+    layer = dnn.DistributedLinear(P_x, P_y, P_w, 5, 3, collect_state=True, device="meta", dtype=torch.float64)
+    result = layer.load_state_dict(ref.state_dict() if comm.rank == 0 else {}, assign=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert not any(t.is_meta for t in layer.state_dict(keep_vars=True).values())
+    assert_sequential_equivalence(layer, ref, random_tensor((2, 5), seed=3, dtype=torch.float64), P_x, P_y)

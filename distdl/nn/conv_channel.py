@@ -213,8 +213,8 @@ class _DistributedChannelConvNd(_BlockConvNd):
     Args:
         P_x, P_y, P_w: the partitions of the input, output and weight (of ``d + 2`` dimensions).
         in_channels, out_channels: the GLOBAL channel counts (balanced blocks, unevenly if need be).
-        collect_state: ``state_dict()`` on rank 0 of ``P_w`` holds torch's keys and global shapes, and
-            ``load_state_dict()`` takes rank 0's values (see :mod:`distdl.nn.module`).
+        collect_state: ``state_dict()`` on rank 0 of the root partition holds torch's keys and global shapes,
+            and ``load_state_dict()`` takes that rank's values (see :mod:`distdl.nn.module`).
         The other arguments are torch's; ``groups`` must be 1.
     Raises:
         ValueError: partitions of the wrong shapes, ``groups != 1``, or arguments torch would reject.

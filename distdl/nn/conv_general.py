@@ -46,8 +46,8 @@ class _DistributedGeneralConvNd(_BlockConvNd):
             :mod:`distdl.nn.conv_general` (``P_w`` of ``d + 2`` dimensions, or ``d + 3`` with a batch axis first).
         in_channels, out_channels: the GLOBAL channel counts, ints or NumPy integers (balanced blocks, unevenly if
             need be).
-        collect_state: ``state_dict()`` on rank 0 of ``P_w`` holds torch's keys and global shapes, and
-            ``load_state_dict()`` takes rank 0's values (see :mod:`distdl.nn.module`).
+        collect_state: ``state_dict()`` on rank 0 of the root partition holds torch's keys and global shapes,
+            and ``load_state_dict()`` takes that rank's values (see :mod:`distdl.nn.module`).
         The other arguments are torch's; ``padding`` may be ``'same'`` or ``'valid'``; ``groups`` must be 1.
     Raises:
         ValueError: partitions of the wrong shapes, ``groups != 1``, a ``padding_mode`` other than ``'zeros'``,

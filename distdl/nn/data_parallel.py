@@ -373,6 +373,9 @@ class DataParallel(torch.nn.Module):
         """Complete every outstanding reduction (done at the end of backward; idempotent)."""
         if not self._in_flight:
             return
+        # check mode: names a member that skipped this backward, or made a forward its peers did not (it pairs with
+        # their next forward's check); the sums started so far wait for peers that never post theirs
+        verify("DataParallel (backward)", self.P)
         # Buckets with a parameter this backward did not reach. With op="sum", where its gradient is still the one
         # the last reduction wrote (a second backward in a step: another head, backward(inputs=...)), it counts as
         # absent, and stays as it is where it is absent on every member (summed again, it would be P.size times

@@ -44,7 +44,8 @@ class DistributedEmbedding(SeededInit, CollectStateMixin, torch.nn.Module):
             at zero and gets no gradient).
         max_norm, scale_grad_by_freq, sparse: not supported (ValueError unless the defaults); ``norm_type``, read
             only with ``max_norm``, is taken and unused.
-        collect_state: save and load torch's state dict on rank 0 of ``P_x`` (see :mod:`distdl.nn.module`).
+        collect_state: save and load torch's state dict on rank 0 of the root partition (see
+            :mod:`distdl.nn.module`).
     Raises:
         ValueError: an unsupported option, a ``padding_idx`` out of range or negative sizes.
     """

@@ -121,8 +121,8 @@ class DistributedLinear(SeededInit, CollectStateMixin, torch.nn.Module):
         P_x, P_y, P_w: the partitions of the input, output and weight (any workers of one root).
         in_features, out_features: the GLOBAL feature counts (split in balanced blocks, unevenly if need be).
         bias: whether to add a learnable bias (held by column 0 of ``P_w``).
-        collect_state: ``state_dict()`` on rank 0 of ``P_w`` holds torch's keys and global shapes, and
-            ``load_state_dict()`` takes rank 0's values (see :mod:`distdl.nn.module`).
+        collect_state: ``state_dict()`` on rank 0 of the root partition holds torch's keys and global shapes,
+            and ``load_state_dict()`` takes that rank's values (see :mod:`distdl.nn.module`).
     Raises:
         ValueError: partitions of the wrong shapes or negative feature counts.
         TypeError: arguments of the wrong types.

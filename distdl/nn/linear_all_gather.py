@@ -245,7 +245,8 @@ class DistributedLinearAllGather(SeededInit, CollectStateMixin, torch.nn.Module)
         bias: whether to add a learnable bias.
         axis: the partition axis (= tensor dimension) gathered: ``-1`` (features) or another one when
             ``P_x.shape[-1] == 1``.
-        collect_state: save and load torch's state dict on rank 0 of ``P_x`` (see :mod:`distdl.nn.module`).
+        collect_state: save and load torch's state dict on rank 0 of the root partition (see
+            :mod:`distdl.nn.module`).
         overlap: gather around a ring, multiplying each block while the next one travels.
     Attributes:
         P_y: the partition of the output (features split along its last axis).

@@ -163,7 +163,8 @@ class DistributedLinearReduceScatter(SeededInit, CollectStateMixin, torch.nn.Mod
         bias: whether to add a learnable bias.
         axis: the partition axis (= tensor dimension) the output is scattered along: ``-1`` (features)
             or another one when ``P_x.shape[axis] == 1``.
-        collect_state: save and load torch's state dict on rank 0 of ``P_x`` (see :mod:`distdl.nn.module`).
+        collect_state: save and load torch's state dict on rank 0 of the root partition (see
+            :mod:`distdl.nn.module`).
         overlap: reduce-scatter around a ring, computing each partial block while the previous one travels.
     Attributes:
         P_y: the partition of the output (split along ``axis``).

@@ -117,11 +117,11 @@ def check_unparametrized(where: str, module: torch.nn.Module) -> None:
 
 
 def check_materialised(where: str, module: torch.nn.Module) -> None:
-    """Raise TypeError where one of ``module``'s own parameters or buffers is on the meta device and has elements (no
-    values: a layer built there and not materialised since; it failed in torch, on some workers only, or ran on).
-    An empty one needs no values (a worker outside the layer keeps its own when a state dict is assigned)."""
+    """Raise TypeError where one of ``module``'s own parameters or buffers is on the meta device (no values: a layer
+    built there and not materialised since; it failed in torch, on some workers only, or ran on). Empty ones too,
+    as every worker decides alike (its blocks may be empty where the others' are not)."""
     for name, t in itertools.chain(module._parameters.items(), module._buffers.items()):
-        if t is not None and t.is_meta and t.numel():
+        if t is not None and t.is_meta:
             raise TypeError(f"{where}: expected parameters and buffers with values, got {name} on the meta device; "
                             "materialise the module first (module.to_empty(device=...), then reset_parameters())")
 
@@ -403,9 +403,11 @@ class CollectStateMixin:
                           missing_keys: list[str] | None = None) -> None:
         """Replace this layer's entries of ``state_dict`` by this worker's blocks of rank 0's values."""
         P, tensors = self._state_partition(), self._state_tensors()
-        if not P.active:
+        if not P.active:  # its own (empty) tensors; not on meta, so that assign=True leaves none there
             for name, (t, _) in tensors.items():
-                state_dict[prefix + name] = t.detach()
+                meta = t.is_meta and not t.numel()
+                state_dict[prefix + name] = torch.empty_like(t, device=torch.get_default_device()) if meta else \
+                    t.detach()
             return
         replicated = {name for name, (_, layout) in tensors.items() if layout.replicated}
         checked = summary = None
