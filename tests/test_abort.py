@@ -139,6 +139,9 @@ def test_a_setting_read_differently_is_named(tmp_path):
             ("DISTDL_PAIRWISE_SUM_BYTES", "0", ["-m", "mpi4py"],
              ["DISTDL_PAIRWISE_SUM_BYTES: rank 0 read 0; rank 1 read 131072",
               "ValueError: MPIPartition: the ranks of the communicator read different settings"]),
+            # a rank staging CUDA tensors takes another algorithm in the tensor-parallel rings (MPI aborted)
+            ("DISTDL_CUDA_AWARE_MPI", "1", ["-m", "mpi4py"],
+             ["DISTDL_CUDA_AWARE_MPI: rank 0 read True; rank 1 read None"]),
             ("DISTDL_STRIDED_BYTES", "1e6", [],
              ["ValueError: DISTDL_STRIDED_BYTES: expected a number of bytes (0 for never), got '1e6'"]),
             ("DISTDL_ABORT_ON_ERROR", "maybe", [],  # the hook's own setting: installed before it raises

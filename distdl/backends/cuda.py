@@ -30,7 +30,7 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 from mpi4py import MPI
 
-from distdl.utilities.settings import flag
+from distdl.utilities.settings import flag, shared
 from distdl.utilities.torch import eager_when_compiled
 
 __all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_copies", "host_staged", "needs_staging",
@@ -38,6 +38,8 @@ __all__ = ["buffer_device", "cuda_aware", "device_for_rank", "host_copies", "hos
 
 _log = logging.getLogger("distdl")
 _mode: bool | None = None  # True: CUDA-aware, False: staged, None: not decided yet
+# compared by MPIPartition(comm): the tensor-parallel rings take another algorithm where a rank stages
+shared("DISTDL_CUDA_AWARE_MPI", flag("DISTDL_CUDA_AWARE_MPI"))
 _pools: dict[torch.device, torch.Tensor] = {}
 # Set once this process stages a CUDA tensor: from then on the host buffers that the primitives allocate
 # (their outputs above all, copied to the device next) come pinned, from torch's caching host allocator.

@@ -46,7 +46,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
         foreach: as torch's: scale with one multi-tensor call (None or True) or tensor by tensor (False); the
             result is the same.
     Returns:
-        The norm before clipping (0-dim, float64); 0 outside ``P``.
+        The norm before clipping (0-dim, float64, on the gradients' device); 0 outside ``P``.
     Raises:
         RuntimeError: a NaN or infinite norm with ``error_if_nonfinite``.
     """
@@ -106,7 +106,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float, P: MPIPartition, n
                 g.mul_(coefficient)
         else:
             torch._foreach_mul_(grads, coefficient)
-    return torch.tensor(norm, dtype=torch.float64)
+    return torch.tensor(norm, dtype=torch.float64, device=grads[0].device if grads else None)
 
 
 def _first_held(where: str, P: MPIPartition, plain: dict[str, torch.Tensor]) -> list[torch.Tensor]:
