@@ -28,6 +28,7 @@ on ``cuda:0`` and ``cuda:1`` agree.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import numbers
 import os
@@ -43,8 +44,8 @@ from mpi4py import MPI
 from distdl.partition import MPIPartition
 from distdl.utilities.settings import flag, shared
 
-__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "announce", "verify", "set_check_mode", "check_mode",
-           "checking"]
+__all__ = ["CollectiveMismatchError", "CollectiveTimeoutError", "announce", "verify", "verify_later", "set_check_mode",
+           "check_mode", "checking"]
 
 
 def _from_environment() -> bool:
@@ -136,21 +137,37 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
         CollectiveMismatchError: on every member, when any member's record differs.
         TypeError, ValueError: bad arguments (check mode only).
     """
+    complete = verify_later(where, P, x, agree)
+    if complete is not None:
+        complete()
+
+
+def verify_later(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None = None,
+                 agree: Mapping[str, Any] | Iterable[str] | None = None) -> Callable[[], None] | None:
+    """:func:`verify`, its exchange started now and completed by the function returned (which waits, and raises
+    as :func:`verify` does); None where there is nothing to complete. For a check that workers start in an order
+    of their own, such as autograd's order of a backward's hooks, with checks on other communicators between."""
     if not _enabled:
-        return
+        return None
     if not isinstance(where, str):
         raise TypeError(f"verify: expected a str for where, got {type(where).__name__}")
     comm = _communicator(P)
     if comm == MPI.COMM_NULL:
-        return
+        return None
     facts = _facts(x, agree)
     record = np.array([_MAGIC, _next_sequence(comm), _hash(where), _hash(repr(sorted(facts.items())))],
                       dtype=np.int64)
     if comm.Get_size() == 1:
-        return
+        return None
     records = np.empty((comm.Get_size(), _RECORD), dtype=np.int64)
-    _wait(where, comm, int(record[1]), comm.Iallgather([record, MPI.INT64_T], [records, MPI.INT64_T]),
-          (record, records))
+    request = comm.Iallgather([record, MPI.INT64_T], [records, MPI.INT64_T])
+    return functools.partial(_complete, where, comm, facts, record, records, request)
+
+
+def _complete(where: str, comm: MPI.Intracomm, facts: dict[str, str], record: np.ndarray, records: np.ndarray,
+              request: MPI.Request) -> None:
+    """Wait for a check's records and raise CollectiveMismatchError where any differs."""
+    _wait(where, comm, int(record[1]), request, (record, records))
     if (records == record).all():
         return
     # Every member saw the same records, so every member takes this branch: describe and raise.
@@ -162,7 +179,8 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
     for fact in sorted(facts_seen, key=lambda fact: fact != _FAILED):  # a failed local check first: the cause
         groups: dict[Any, list[int]] = {}
         for rank, description in zip(ranks, described):
-            if fact == _FAILED or not failed or _FAILED not in description:  # a failed call has no other facts
+            # a call whose local checks failed has no tensor facts (they would read "nothing")
+            if not failed or _FAILED not in description or fact in (_FAILED, "primitive", "call number"):
                 groups.setdefault(description.get(fact, "nothing"), []).append(rank)
         if len(groups) > 1:
             differences[fact] = groups

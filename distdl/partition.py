@@ -234,7 +234,9 @@ class MPIPartition:
                 raise ValueError(f"{where}: a partition made by create_subpartition is each worker's own sub-grid "
                                  f"(unknown outside its parent), so it joins only partitions within that sub-grid "
                                  f"(root ranks {sorted(P._fibre)}); got one with root ranks {outside} outside it")
-            if P._split and Q._fibre is None:  # Q lies in one of the sub-grids at most: the others would raise above
+            # Q, made from the whole (or from a sub-grid keeping it all), lies in one of the sub-grids at most: the
+            # others would raise above
+            if P._split and (Q._fibre is None or not Q._fibre <= P._fibre):
                 raise ValueError(f"{where}: a partition made by create_subpartition is each worker's own sub-grid, one "
                                  f"of several, so it joins only partitions made from it; got one made from the whole "
                                  f"(root ranks {list(Q._members)}), which the other sub-grids cannot join")

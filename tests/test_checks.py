@@ -590,3 +590,46 @@ def test_a_data_parallel_forward_on_rank_0_alone_is_named(P_world, comm):
     xs = torch.stack(comm.allgather(x))
     assert torch.allclose(model.module.weight.grad, xs.sum(1).mean(0).expand(2, 3))
     assert torch.equal(model.module.bias.grad, torch.full((2,), 2.0))
+
+
+@sizes(2, 3)
+def test_data_parallel_wrappers_reached_in_another_order_per_rank_pass(P_world, comm, monkeypatch):
+    """Two wrappers on partitions of their own, whose parameters rank 1's backward reaches in the other order (a
+    penalty on the first's parameters, made before the second's forward): the ends of backward, which check each
+    wrapper's sums, ran in another order there, and each rank waited in another wrapper's check (a false timeout).
+    The checks start in the backward's hooks and complete at its end."""
+    from distdl.nn import DataParallel
+    monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "20")
+    Q = P_world.create_partition_inclusive(range(comm.size))
+    torch.manual_seed(0)
+    D, G = DataParallel(torch.nn.Linear(3, 1), P_world), DataParallel(torch.nn.Linear(2, 3), Q)
+    x = random_tensor((4, 3), seed=comm.rank, dtype=torch.float32)
+    z = random_tensor((4, 2), seed=comm.size + comm.rank, dtype=torch.float32)
+
+    def loss(d, g):
+        penalty = sum((p * p).sum() for p in d.parameters()) if comm.rank == 1 else 0
+        return g(z).square().sum() + d(x).sum() + penalty
+    with checking():
+        loss(D, G).backward()
+    torch.manual_seed(0)
+    d, g = torch.nn.Linear(3, 1), torch.nn.Linear(2, 3)
+    params = [*d.parameters(), *g.parameters()]
+    mean = [sum(grads) / comm.size for grads in zip(*comm.allgather(torch.autograd.grad(loss(d, g), params)))]
+    for p, expected in zip([*D.module.parameters(), *G.module.parameters()], mean):
+        torch.testing.assert_close(p.grad, expected)
+
+
+@sizes(2, 3)
+def test_a_failed_check_in_another_primitive_names_both(P_world, comm):
+    """Worker 1 fails the local checks of another primitive than its peers' call: the error names the primitives
+    too (only the failed check was named, once the failing worker's missing tensor facts were left out)."""
+    P = P_world.create_cartesian_topology_partition((comm.size,))
+    with checking(), pytest.raises(CollectiveMismatchError) as info:
+        if comm.rank == 1:
+            distdl.functional.all_gather(torch.ones(3, 3), P, axes_all_gather=(0,))  # a tensor of another dimension
+        else:
+            distdl.functional.all_sum_reduce(torch.ones(3), P, axes_reduce=(0,))
+    others = [r for r in range(comm.size) if r != 1]
+    assert f"; and on primitive: {_clause({'all_sum_reduce': others, 'all_gather': [1]})}" in str(info.value), \
+        str(info.value)
+    assert "shape" not in str(info.value)

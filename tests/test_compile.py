@@ -75,3 +75,27 @@ def test_compiled_autograd_matches_eager(P_world, comm):
                 y.backward(dy)
             results.append([x_k.grad, *(p.grad for p in layer.parameters())])
         torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+@sizes(2, 3)
+def test_data_parallel_refuses_compiled_autograd(P_world, comm):
+    """DataParallel completes its sums in a callback at the end of the backward, which compiled autograd refuses
+    (torch's bare AssertionError from queue_callback): NotImplementedError on every worker, naming DataParallel;
+    the same model's backward runs as before outside it."""
+    from torch._dynamo import compiled_autograd
+    from distdl.nn import DataParallel
+    torch.manual_seed(0)
+    model = DataParallel(torch.nn.Linear(3, 2).double(), P_world)
+    x = random_tensor((2, 3), seed=comm.rank)
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        loss = model(x).sum()
+        try:
+            loss.backward()
+        except NotImplementedError as error:
+            assert str(error).startswith("DataParallel: expected a backward outside compiled autograd")
+        else:
+            raise AssertionError("no error under compiled autograd")
+    model(x).sum().backward()
+    xs = torch.cat(comm.allgather(x))
+    torch.testing.assert_close(model.module.weight.grad, xs.sum(0).expand(2, 3) / comm.size)

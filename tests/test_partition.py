@@ -131,8 +131,12 @@ def test_a_sub_grid_joins_only_partitions_within_it(P_world, comm):
         assert P_recv.root_ranks == rows.root_ranks
     if n % 2 == 0:  # rank 0 alone lies in one row: the other row cannot join it, so neither does
         first_of_world = P_world.create_partition_inclusive([0])
+        # also made through a sub-grid that keeps the whole grid (the row holding it went on alone)
+        whole = P_world.create_cartesian_topology_partition((2, n // 2)).create_subpartition([0, 1])
+        first_of_whole = whole.create_partition_inclusive([0])
         for join in (lambda: rows.create_partition_union(first_of_world),
-                     lambda: first_of_world.create_broadcast_partition_to(rows)):
+                     lambda: first_of_world.create_broadcast_partition_to(rows),
+                     lambda: rows.create_partition_union(first_of_whole)):
             with pytest.raises(ValueError, match="create_subpartition"):
                 join()
     outside = P_world.create_partition_inclusive([0, n - 1])  # reaching outside every row

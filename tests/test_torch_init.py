@@ -1,6 +1,7 @@
 """torch's init functions run on every worker, those outside a layer's partition too (`model.apply(init)`); a
 parametrized weight is computed once per forward, as in torch's layers."""
 
+import itertools
 import warnings
 
 import pytest
@@ -146,18 +147,23 @@ def test_deferred_initialisation_on_the_meta_device(P_world, comm, how):
 @sizes(1, 2, 3)
 def test_a_meta_layer_loads_a_collected_state_with_assign(P_world, comm):
     """torch's deferred initialisation: built on the meta device, then load_state_dict(rank 0's dict, assign=True).
-    The workers of the layer take their blocks; the last worker, outside it, kept its empty meta tensors (and
-    alone refused the forward before the meta check let empty ones pass, which let a worker with empty blocks of
-    an unmaterialised layer go on into its collectives alone)."""
+    The workers of the layer take their blocks; the last worker, outside it, kept its meta tensors (empty ones for a
+    linear, whole ones for a feature convolution) and alone refused the forward, while the others went on (a hang
+    where caught)."""
     from distdl.testing import assert_sequential_equivalence
-    k = max(1, comm.size - 1)  # the last worker is outside P_x and P_w where there are two or more
+    k = max(1, comm.size - 1)  # the last worker is outside the layers where there are two or more
     P_k = P_world.create_partition_inclusive(range(k))
     P_x, P_w = (P_k.create_cartesian_topology_partition((1, k)) for _ in range(2))
     P_y = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1))
+    P_image = P_k.create_cartesian_topology_partition((1, 1, k))
     torch.manual_seed(0)
-    ref = torch.nn.Linear(5, 3).double()
-    layer = dnn.DistributedLinear(P_x, P_y, P_w, 5, 3, collect_state=True, device="meta", dtype=torch.float64)
-    result = layer.load_state_dict(ref.state_dict() if comm.rank == 0 else {}, assign=True)
-    assert not result.missing_keys and not result.unexpected_keys
-    assert not any(t.is_meta for t in layer.state_dict(keep_vars=True).values())
-    assert_sequential_equivalence(layer, ref, random_tensor((2, 5), seed=3, dtype=torch.float64), P_x, P_y)
+    cases = [(dnn.DistributedLinear(P_x, P_y, P_w, 5, 3, collect_state=True, device="meta", dtype=torch.float64),
+              torch.nn.Linear(5, 3).double(), (2, 5), P_x, P_y),
+             (dnn.DistributedConv1d(P_image, 3, 4, 3, padding=1, collect_state=True, device="meta",
+                                    dtype=torch.float64), torch.nn.Conv1d(3, 4, 3, padding=1).double(), (2, 3, 2 * k),
+              P_image, P_image)]
+    for layer, ref, shape, P_in, P_out in cases:
+        result = layer.load_state_dict(ref.state_dict() if comm.rank == 0 else {}, assign=True)
+        assert not result.missing_keys and not result.unexpected_keys
+        assert not any(t.is_meta for t in itertools.chain(layer.parameters(), layer.buffers()))
+        assert_sequential_equivalence(layer, ref, random_tensor(shape, seed=3, dtype=torch.float64), P_in, P_out)

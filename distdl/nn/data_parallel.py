@@ -38,10 +38,11 @@ import functools
 import gc
 import itertools
 import math
+import sys
 import weakref
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.checks import check_mode, checksum, verify
+from distdl.checks import check_mode, checksum, verify, verify_later
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_materialised, parameter_layouts
 from distdl.partition import MPIPartition
@@ -231,6 +232,7 @@ class DataParallel(torch.nn.Module):
         self._divisor = P.size if op == "avg" else 1
         problem = self._plan_buckets(params)
         self._sync, self._forward_sync, self._in_flight, self._task = True, True, False, -1
+        self._check: Callable[[], None] | None = None  # check mode: the check of the backward in flight
         self._written: dict[int, tuple] = {}  # op="sum": id(p) -> (its reduced .grad, weakly; the .grad's version)
         self._accumulated: list[tuple] = []  # op="sum": (p, its .grad weakly) a backward accumulated onto reduced
         if not P.active or P.size == 1:
@@ -357,6 +359,13 @@ class DataParallel(torch.nn.Module):
             bucket.finish(write=False)
             bucket.drop_in_place()
         self._next, self._in_flight, self._accumulated = len(self._buckets), False, []
+        self._complete_check()
+
+    def _complete_check(self) -> None:
+        """Complete the check mode's check of the backward in flight, if any."""
+        complete, self._check = self._check, None
+        if complete is not None:
+            complete()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -373,9 +382,7 @@ class DataParallel(torch.nn.Module):
         """Complete every outstanding reduction (done at the end of backward; idempotent)."""
         if not self._in_flight:
             return
-        # check mode: names a member that skipped this backward, or made a forward its peers did not (it pairs with
-        # their next forward's check); the sums started so far wait for peers that never post theirs
-        verify("DataParallel (backward)", self.P)
+        self._complete_check()
         # Buckets with a parameter this backward did not reach. With op="sum", where its gradient is still the one
         # the last reduction wrote (a second backward in a step: another head, backward(inputs=...)), it counts as
         # absent, and stays as it is where it is absent on every member (summed again, it would be P.size times
@@ -423,7 +430,15 @@ class DataParallel(torch.nn.Module):
                 raise RuntimeError("DataParallel: expected every gradient of the module within one backward, got a "
                                    "backward that ended inside another before they were all ready (reentrant "
                                    "checkpointing: use use_reentrant=False)")
+            compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+            if compiled is not None and compiled.in_compiled_autograd_region:  # it refuses queue_callback
+                raise NotImplementedError("DataParallel: expected a backward outside compiled autograd (it cannot "
+                                          "complete the sums at the end of the backward); compile the model only")
             self._task, self._in_flight, self._next = task, True, 0
+            # check mode: a member that skipped this backward, or made a forward its peers did not, is named (this
+            # pairs with its next forward's check); completed at the end, as wrappers on other communicators may
+            # start theirs in another order
+            self._check = verify_later("DataParallel (backward)", self.P)
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
             self._claimed: set[int] = set()

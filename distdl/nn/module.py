@@ -403,10 +403,9 @@ class CollectStateMixin:
                           missing_keys: list[str] | None = None) -> None:
         """Replace this layer's entries of ``state_dict`` by this worker's blocks of rank 0's values."""
         P, tensors = self._state_partition(), self._state_tensors()
-        if not P.active:  # its own (empty) tensors; not on meta, so that assign=True leaves none there
+        if not P.active:  # its own tensors, which no computation reads; off meta, so that assign=True leaves none there
             for name, (t, _) in tensors.items():
-                meta = t.is_meta and not t.numel()
-                state_dict[prefix + name] = torch.empty_like(t, device=torch.get_default_device()) if meta else \
+                state_dict[prefix + name] = torch.zeros_like(t, device=torch.get_default_device()) if t.is_meta else \
                     t.detach()
             return
         replicated = {name for name, (_, layout) in tensors.items() if layout.replicated}

@@ -1,9 +1,10 @@
 """Rank 1 skips the first backward of a DataParallel model, so rank 0 waits in that backward's reduction forever.
 
 Launched by tests/test_abort.py as ``mpiexec -n 2 python tests/scripts/skip_a_backward.py [raised]`` with check mode
-on and a short ``DISTDL_CHECK_TIMEOUT``: rank 1's next forward meets rank 0's check at the end of its backward, both
-raise CollectiveMismatchError, and the abort hook ends the job. Without check mode the job hangs. With ``raised``,
-rank 1's backward raises part-way (after a first bucket's sum started) and rank 1 catches the error and goes on.
+on and a short ``DISTDL_CHECK_TIMEOUT``: rank 1's next forward meets rank 0's check of its backward, both raise
+CollectiveMismatchError, and the abort hook ends the job. Without check mode the job hangs. With ``raised``, rank
+1's backward raises part-way (after a first bucket's sum started) and rank 1 catches the error and goes on: its
+next forward times out waiting for rank 0, which waits in the sums.
 """
 
 import sys
