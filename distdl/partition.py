@@ -119,8 +119,10 @@ def _check_initialized(where: str) -> None:
 def _as_int_tuple(values: Iterable[Any], what: str, where: str) -> tuple[int, ...]:
     try:
         array = np.asarray(list(values) if not np.isscalar(values) else [values])
-    except TypeError as error:
+    except (TypeError, ValueError) as error:  # ValueError: nested sequences of several lengths
         raise TypeError(f"{where}: expected a sequence of integers for {what}, got {values!r}") from error
+    if array.ndim > 1:  # nested: flattened, it read as another shape or other ranks
+        raise TypeError(f"{where}: expected a flat sequence of integers for {what}, got {values!r}")
     if array.size and not np.issubdtype(array.dtype, np.integer):  # bools too: flags are not indices
         raise TypeError(f"{where}: expected integers for {what}, got {values!r}")
     return tuple(int(v) for v in array.ravel())
@@ -338,7 +340,11 @@ class MPIPartition:
 
     def create_cartesian_subtopology_partition(self, remain_dims: Sequence[bool]) -> MPIPartition:
         """Return the sub-grid keeping the axes flagged in ``remain_dims`` (as ``MPI_Cart_sub``)."""
-        remain_dims = list(remain_dims)
+        flags = list(remain_dims) if isinstance(remain_dims, Iterable) and not isinstance(remain_dims, str) else None
+        if flags is None or not all(isinstance(f, (bool, np.bool_)) or f in (0, 1) for f in flags):
+            raise TypeError(f"create_cartesian_subtopology_partition: expected a sequence of bools, got "
+                            f"{remain_dims!r}")
+        remain_dims = flags
         if len(remain_dims) != self.dim:
             raise ValueError(f"create_cartesian_subtopology_partition: expected {self.dim} flags, "
                              f"got {len(remain_dims)}")
@@ -361,6 +367,9 @@ class MPIPartition:
         """
         where = "create_broadcast_partition_to"
         self._check_same_root(where, P_dest)
+        for name, value in (("transpose_src", transpose_src), ("transpose_dest", transpose_dest)):
+            if not isinstance(value, (bool, np.bool_)):  # a string read as True
+                raise TypeError(f"{where}: expected a bool for {name}, got {value!r}")
         groups = _broadcast_groups(where, self, P_dest, transpose_src, transpose_dest)
         me = self._root.rank
         P_send = P_recv = None
@@ -383,6 +392,7 @@ class MPIPartition:
         The reverse of :meth:`create_broadcast_partition_to` from ``P_dest`` to this partition:
         each destination worker is rank 0 of the group it receives the sum in (``P_recv``).
         """
+        self._check_same_root("create_reduction_partition_to", P_dest)
         P_recv, P_send = P_dest.create_broadcast_partition_to(self, transpose_dest, transpose_src)
         return P_send, P_recv
 
@@ -504,6 +514,8 @@ class MPIPartition:
 
     def broadcast_data(self, data: Any, root: int = 0) -> np.ndarray | None:
         """Return ``data`` from partition rank ``root`` as a numpy array; ``None`` if inactive."""
+        if isinstance(root, (bool, np.bool_)) or not isinstance(root, (int, np.integer)):
+            raise TypeError(f"broadcast_data: expected an integer root, got {root!r}")
         if not 0 <= root < self.size:
             raise ValueError(f"broadcast_data: expected a root in [0, {self.size}), got {root}")
         if not self.active:

@@ -1,6 +1,7 @@
 """MPIPartition at 1-4 ranks: every method, inactive workers, odd sizes and the error paths."""
 
 import gc
+import re
 import weakref
 
 import numpy as np
@@ -505,6 +506,33 @@ def test_boolean_flags_are_not_axes_or_ranks(P_world, comm):
     with pytest.raises(TypeError, match="create_partition_inclusive: expected integers for ranks"):
         P_world.create_partition_inclusive(np.array([True, False]))
     assert P.create_cartesian_subtopology_partition([False, True]).shape == (2,)
+    assert P.create_cartesian_subtopology_partition([0, 1]).shape == (2,)
+
+
+@sizes(2)
+def test_arguments_of_the_wrong_form_are_named(P_world, comm):
+    """Nested sequences were flattened (a shape [[1, 2]] read as (1, 2)), a string read as flags ('01': both axes;
+    transpose_src='no': True), and other forms raised numpy's or Python's own errors."""
+    P = P_world.create_cartesian_topology_partition([2, 1])
+    for call, message in [
+            (lambda: P_world.create_cartesian_topology_partition([[1, 2]]), "create_cartesian_topology_partition: "
+             "expected a flat sequence of integers for shape"),
+            (lambda: P.create_subpartition([[0, 1]]), "create_subpartition: expected a flat sequence of integers"),
+            (lambda: P_world.create_partition_inclusive([[0], [0, 1]]), "create_partition_inclusive: expected a "
+             "sequence of integers for ranks"),
+            (lambda: P.create_cartesian_subtopology_partition("01"), "create_cartesian_subtopology_partition: "
+             "expected a sequence of bools, got '01'"),
+            (lambda: P.create_cartesian_subtopology_partition(None), "create_cartesian_subtopology_partition: "
+             "expected a sequence of bools, got None"),
+            (lambda: P.create_broadcast_partition_to(P, "no"), "create_broadcast_partition_to: expected a bool for "
+             "transpose_src, got 'no'"),
+            (lambda: P.create_reduction_partition_to([0]), "create_reduction_partition_to: expected an "
+             "MPIPartition, got list"),
+            (lambda: P.broadcast_data(1, root=None), "broadcast_data: expected an integer root, got None"),
+            (lambda: P.broadcast_data(1, root=True), "broadcast_data: expected an integer root, got True")]:
+        with pytest.raises(TypeError, match=re.escape(message)):
+            call()
+    assert P.broadcast_data(comm.rank, root=np.int64(1)) == 1
 
 
 @sizes(2)
