@@ -1315,3 +1315,36 @@ def test_a_gradient_freed_by_zero_grad_and_unused_on_some_workers(P_world, comm)
             if op == "avg":
                 expected = expected / comm.size
             torch.testing.assert_close(model["b"].weight.grad, torch.from_numpy(expected).expand(2, 2))
+
+
+class _Raise(torch.autograd.Function):
+    """The identity, whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("a failure on purpose")
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_wrapper_dropped_after_a_backward_that_raised(P_world, comm, checked):
+    """A backward that raised on every member after the wrapper's sums (and, in check mode, its check) had started,
+    caught, and the wrapper dropped: their buffers went to the garbage collector while MPI could still write them (a
+    segfault at the next step). They stay alive; a new wrapper steps as before."""
+    import distdl
+    x = random_tensor((4, 3), seed=comm.rank, dtype=torch.float64)
+    with distdl.checking() if checked else contextlib.nullcontext():
+        for _ in range(2):
+            model = DataParallel(torch.nn.Linear(3, 2).double(), P_world, bucket_cap_mb=1e-6)  # a bucket each
+            with pytest.raises(ValueError, match="a failure on purpose"):
+                model(_Raise.apply(x.requires_grad_())).sum().backward()
+            del model
+            gc.collect()
+        model = DataParallel(torch.nn.Linear(3, 2).double(), P_world)
+        model(x.detach()).sum().backward()
+    xs = torch.cat(comm.allgather(x.detach()))
+    torch.testing.assert_close(model.module.weight.grad, xs.sum(0).expand(2, 3) / comm.size)

@@ -249,7 +249,9 @@ class DataParallel(torch.nn.Module):
         self._known = {id(t): weakref.ref(t) for t in states}  # broadcast: a replan broadcasts only others
         self._flags = np.zeros(3, dtype=np.int64)  # changed, and no_sync() at this forward: off, on
         self._hooks: list = []
-        weakref.finalize(self, _remove, self._hooks)  # the hooks go with the wrapper: a dropped one does not reduce
+        self._flight: list = []  # the buckets and check of a backward in flight: MPI may still write their buffers
+        # the hooks go with the wrapper (a dropped one does not reduce); what is in flight stays
+        weakref.finalize(self, _remove, self._hooks, self._flight)
         self._hook(params)
 
     def _plan_buckets(self, params: list) -> str | None:
@@ -360,6 +362,7 @@ class DataParallel(torch.nn.Module):
             bucket.drop_in_place()
         self._next, self._in_flight, self._accumulated = len(self._buckets), False, []
         self._complete_check()
+        self._flight.clear()
 
     def _complete_check(self) -> None:
         """Complete the check mode's check of the backward in flight, if any."""
@@ -396,6 +399,7 @@ class DataParallel(torch.nn.Module):
         self._next = len(self._buckets)
         _complete(self._buckets)
         self._in_flight = False
+        self._flight.clear()
         if self.op == "sum":  # as the reduction left them
             self._written = {id(p): (weakref.ref(p.grad), p.grad._version)
                              for b in self._buckets for p in b.params if p.grad is not None}
@@ -439,6 +443,7 @@ class DataParallel(torch.nn.Module):
             # pairs with its next forward's check); completed at the end, as wrappers on other communicators may
             # start theirs in another order
             self._check = verify_later("DataParallel (backward)", self.P)
+            self._flight[:] = [self._buckets, self._check]
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
             self._claimed: set[int] = set()
@@ -540,9 +545,14 @@ def _gone(refs: list) -> bool:
     return any(r() is None for r in refs)
 
 
-def _remove(hooks: list) -> None:
+def _remove(hooks: list, flight: list = ()) -> None:
     for hook in hooks:
         hook.remove()
+    if flight:  # dropped after a backward that raised: its requests and their buffers stay alive
+        _ORPHANED.append(list(flight))
+
+
+_ORPHANED: list[list] = []
 
 
 class _Bucket:
