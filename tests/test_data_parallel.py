@@ -1317,17 +1317,6 @@ def test_a_gradient_freed_by_zero_grad_and_unused_on_some_workers(P_world, comm)
             torch.testing.assert_close(model["b"].weight.grad, torch.from_numpy(expected).expand(2, 2))
 
 
-class _Raise(torch.autograd.Function):
-    """The identity, whose backward raises."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise ValueError("a failure on purpose")
-
 
 @sizes(2, 3)
 @pytest.mark.parametrize("checked", [False, True])
@@ -1336,15 +1325,21 @@ def test_a_wrapper_dropped_after_a_backward_that_raised(P_world, comm, checked):
     caught, and the wrapper dropped: their buffers went to the garbage collector while MPI could still write them (a
     segfault at the next step). They stay alive; a new wrapper steps as before."""
     import distdl
-    x = random_tensor((4, 3), seed=comm.rank, dtype=torch.float64)
+    n = 7
+    x, y = _batch(n, seed=3)
+    expected = _grads(_mlp(0), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+
+    def fail(grad):
+        raise RuntimeError("a hook failed")
     with distdl.checking() if checked else contextlib.nullcontext():
         for _ in range(2):
-            model = DataParallel(torch.nn.Linear(3, 2).double(), P_world, bucket_cap_mb=1e-6)  # a bucket each
-            with pytest.raises(ValueError, match="a failure on purpose"):
-                model(_Raise.apply(x.requires_grad_())).sum().backward()
-            del model
+            wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=TINY_CAP, op="sum")
+            wrapped.module[0].weight.register_hook(fail)  # the last gradient: the other buckets have started
+            with pytest.raises(RuntimeError, match="a hook failed"):
+                _step(wrapped, x[rows], y[rows])
+            del wrapped
             gc.collect()
-        model = DataParallel(torch.nn.Linear(3, 2).double(), P_world)
-        model(x.detach()).sum().backward()
-    xs = torch.cat(comm.allgather(x.detach()))
-    torch.testing.assert_close(model.module.weight.grad, xs.sum(0).expand(2, 3) / comm.size)
+        wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=TINY_CAP, op="sum")
+        _step(wrapped, x[rows], y[rows])
+    _assert_grads(wrapped, expected)
