@@ -177,13 +177,15 @@ def test_inputs_made_in_inference_mode(P_world, comm):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's forward AD scripts functions with torch.jit
-@sizes(2)
+@sizes(2, 3)
 def test_forward_mode_ad_is_refused(P_world, comm):
-    """A dual tensor's tangent would be dropped (a zero derivative): every primitive raises instead."""
+    """A dual tensor's tangent would be dropped (a zero derivative): every primitive raises instead, on every
+    worker, also where its tensor is no dual (here on rank 0 alone: the others' placeholders of broadcast and
+    repartition went on into the transfer, which waited for ever where rank 0 caught its error)."""
     for name, op in _primitives(P_world, comm.size).items():
         x = random_tensor((2 * comm.size, 3), seed=comm.rank)
         with forward_ad.dual_level():
-            dual = forward_ad.make_dual(x, torch.ones_like(x))
+            dual = forward_ad.make_dual(x, torch.ones_like(x)) if comm.rank == 0 else x
             for grad_mode in (True, False):
                 with torch.set_grad_enabled(grad_mode), pytest.raises(
                         NotImplementedError, match=rf"{name}: forward-mode AD \(torch.autograd.forward_ad\) is not "
@@ -215,7 +217,8 @@ def test_torch_func_transforms_are_refused(P_world, comm):
     for name, op in _primitives(P_world, comm.size).items():
         x = random_tensor((2 * comm.size, 3), seed=comm.rank)
         for transform in (lambda: torch.func.vmap(op)(x.unsqueeze(0)), lambda: torch.func.grad(
-                lambda t: op(t).sum())(x), lambda: torch.func.vjp(op, x)):
+                lambda t: op(t).sum())(x), lambda: torch.func.vjp(op, x),
+                lambda: torch.func.jvp(op, (x,), (torch.ones_like(x),))):  # named as forward-mode AD before
             with pytest.raises(NotImplementedError, match=rf"{name}: torch.func transforms \(vmap, grad"):
                 transform()
 

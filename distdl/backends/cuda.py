@@ -181,19 +181,21 @@ class _ToDevice(torch.autograd.Function):
         return _ToHost.apply(grad, False), None
 
 
-def refuse_unsupported(where: str, x: object) -> None:
-    """Raise NotImplementedError for a forward-mode dual ``x`` (its tangent would be dropped: a zero derivative,
-    silently), inside torch.jit.trace, and inside torch.func's transforms; for every primitive's entry."""
-    if forward_ad._current_level >= 0 and isinstance(x, torch.Tensor) and forward_ad.unpack_dual(x).tangent \
-            is not None:
-        raise NotImplementedError(f"{where}: forward-mode AD (torch.autograd.forward_ad) is not "
-                                  "supported; torch.autograd.functional.jvp works (through reverse mode)")
-    if torch._C._is_tracing():  # the tracer cannot see what MPI writes: a trace would replay this call's result
-        raise NotImplementedError(f"{where}: torch.jit.trace is not supported (it cannot record MPI's "
-                                  "transfers); use the module itself, or torch.compile")
+def refuse_unsupported(where: str) -> None:
+    """Raise NotImplementedError inside forward-mode AD's dual levels (a dual tensor's tangent would be dropped: a
+    zero derivative, silently), inside torch.jit.trace, and inside torch.func's transforms; for every primitive's
+    entry. Within a dual level also where this worker's tensor has no tangent: a worker passing a placeholder (or an
+    empty block) cannot tell whether its peers' have one, and would go on into the transfer alone."""
     if torch._C._functorch.maybe_current_level() is not None:  # its tensors are wrappers without memory
         raise NotImplementedError(f"{where}: torch.func transforms (vmap, grad, vjp, jacrev...) are "
                                   "not supported; use torch.autograd (backward, torch.autograd.grad)")
+    if forward_ad._current_level >= 0:
+        raise NotImplementedError(f"{where}: forward-mode AD (torch.autograd.forward_ad) is not supported (refused "
+                                  "within dual_level() on every worker, dual tensor or not); "
+                                  "torch.autograd.functional.jvp works (through reverse mode)")
+    if torch._C._is_tracing():  # the tracer cannot see what MPI writes: a trace would replay this call's result
+        raise NotImplementedError(f"{where}: torch.jit.trace is not supported (it cannot record MPI's "
+                                  "transfers); use the module itself, or torch.compile")
 
 
 def host_staged(function=None, *, whole: bool = True):
@@ -212,7 +214,7 @@ def host_staged(function=None, *, whole: bool = True):
     @functools.wraps(function)
     def staged(*args, **kwargs):
         x = args[0] if args else kwargs.get(name)
-        refuse_unsupported(function.__name__, x)
+        refuse_unsupported(function.__name__)
         if not whole or not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_quantized or \
                 not staging(x):
             return function(*args, **kwargs)  # or refused there, with its own checks (the copy would fail first)

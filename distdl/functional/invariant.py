@@ -46,7 +46,7 @@ __all__ = ["all_sum_reduce_forward", "all_sum_reduce_backward"]
 def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                            axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return the fibre sum of ``x`` (forward: all-sum-reduce; backward: identity)."""
-    refuse_unsupported("all_sum_reduce_forward", x)
+    refuse_unsupported("all_sum_reduce_forward")
     where = "all_sum_reduce_forward"
     try:
         axes = validate(where, x, P_x, axes_reduce, axes_keep)
@@ -60,7 +60,7 @@ def all_sum_reduce_forward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iter
 def all_sum_reduce_backward(x: torch.Tensor, P_x: MPIPartition, axes_reduce: Iterable[int] | None = None,
                             axes_keep: Iterable[int] | None = None) -> torch.Tensor:
     """Return a copy of ``x`` (forward: identity; backward: all-sum-reduce of the gradient)."""
-    refuse_unsupported("all_sum_reduce_backward", x)
+    refuse_unsupported("all_sum_reduce_backward")
     axes = validate("all_sum_reduce_backward", x, P_x, axes_reduce, axes_keep)
     return _pair(x, P_x, axes, False, "all_sum_reduce_backward")
 

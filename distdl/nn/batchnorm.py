@@ -257,8 +257,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         self._verify_replicas(name)
         check_tensor(name, x)
         weight, bias = self.weight, self.bias  # once: a parametrization computes them at each read
-        for t in (x, weight, bias):  # _BatchNorm would drop a forward-mode tangent (in eval mode)
-            refuse_unsupported(name, t)
+        refuse_unsupported(name)  # _BatchNorm would drop a forward-mode tangent (in eval mode)
         check_idle_input(name, self.P_x, x)
         if not self.P_x.active:
             return _Outside.apply(in_graph(x))  # backward runs here too (and raises in a double backward)

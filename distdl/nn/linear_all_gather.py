@@ -151,8 +151,7 @@ def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, P_x: MPIPartition, 
 @eager_when_compiled
 def _all_gather_linear(where, x, weight, P_x, axis):
     """Return ``(all_gather(x) @ weight.T, all_gather(x))`` (differentiable in both)."""
-    for t in (x, weight):  # the ring's Function would drop a forward-mode tangent: refused, as by the primitives
-        cuda.refuse_unsupported(where, t)
+    cuda.refuse_unsupported(where)  # the ring's Function would drop a forward-mode tangent, as the primitives'
     check_idle_input(where, P_x, x)
     if not P_x.active:
         return idle_output(x), in_graph(x).clone()

@@ -68,8 +68,7 @@ def linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, P_y: MPIPartiti
 def _linear_reduce_scatter(where, x, weight, P_y, axis):
     """:func:`linear_reduce_scatter`, named ``where`` (``all_gather_linear (backward)`` in that ring's adjoint)."""
     check_operands(where, x, weight)
-    for t in (x, weight):  # the ring's Function would drop a forward-mode tangent: refused, as by the primitives
-        cuda.refuse_unsupported(where, t)
+    cuda.refuse_unsupported(where)  # the ring's Function would drop a forward-mode tangent, as the primitives'
     check_partition(where, "P_y", P_y)
     axis = check_axis(where, P_y, axis)
     check_idle_input(where, P_y, x, "P_y")
