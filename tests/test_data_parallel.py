@@ -797,6 +797,39 @@ def test_a_backward_that_raised(P_world, comm, set_to_none):
         _assert_grads(wrapped, expected)
 
 
+@sizes(2, 3, 4)
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_backward_that_raised_at_another_point_on_each_member(P_world, comm, checked, monkeypatch):
+    """A backward that raises on every member, but on rank 0 before the wrapper's first gradient (a hook on the
+    output) and on ranks 1, 2, 3 at the first, second or last layer's weight (some or all of its sums started):
+    caught, the next forward completes them on every member, and the steps after it give the full-batch
+    gradients. It completed them on those that had started them only (a hang, or MPI's "message truncated"); in
+    check mode, the check of that backward, started on some members only, paired with the others' next forward's."""
+    import distdl
+    monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "30")
+    n = 7
+    x, y = _batch(n, seed=3)
+    expected = _grads(_mlp(0), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+    wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=TINY_CAP, op="sum")
+    layer = [None, 0, 2, 4][comm.rank]  # 6 buckets; each weight's bucket starts after its bias's
+
+    def fail(grad):
+        raise RuntimeError("a hook failed")
+    with distdl.checking() if checked else contextlib.nullcontext():
+        wrapped.zero_grad()
+        out = wrapped(x[rows])
+        handle = (out if layer is None else wrapped.module[layer].weight).register_hook(fail)
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            ((out - y[rows]) ** 2).sum().backward()
+        assert wrapped._in_flight == (layer is not None)
+        handle.remove()
+        for _ in range(2):
+            wrapped.zero_grad()
+            ((wrapped(x[rows]) - y[rows]) ** 2).sum().backward()
+            _assert_grads(wrapped, expected)
+
+
 @sizes(1, 2, 3)
 def test_repeated_calls(P_world, comm):
     """all_reduce_gradients keeps its plan between calls: still right after the parameters change dtype in place
@@ -1287,12 +1320,17 @@ def test_a_function_call_per_micro_batch_raises_where_it_would_reduce_twice(P_wo
 
 
 @sizes(1, 2)
-def test_deep_copy_names_the_way(P_world, comm):
+def test_copies_name_the_way(P_world, comm):
+    """Deep and shallow copies of the wrapper are refused (a shallow copy shared its hooks, which reduced for the
+    wrapper copied: dropping that one, the copy's backward reduced nothing, silently)."""
     import copy
     wrapped = DataParallel(_mlp(0), P_world)
     with pytest.raises(TypeError, match=r"DataParallel: expected no deep copy of the wrapper .* "
                                         r"DataParallel\(copy.deepcopy\(wrapper.module\), P\)"):
         copy.deepcopy(wrapped)
+    with pytest.raises(TypeError, match=r"DataParallel: expected no copy of the wrapper .* "
+                                        r"DataParallel\(copy.deepcopy\(wrapper.module\), P\)"):
+        copy.copy(wrapped)
     assert isinstance(copy.deepcopy(wrapped.module), torch.nn.Sequential)
 
 
@@ -1316,6 +1354,29 @@ def test_a_gradient_freed_by_zero_grad_and_unused_on_some_workers(P_world, comm)
                 expected = expected / comm.size
             torch.testing.assert_close(model["b"].weight.grad, torch.from_numpy(expected).expand(2, 2))
 
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's forward AD scripts functions with torch.jit
+@sizes(1, 2, 3)
+def test_torch_func_and_forward_mode_are_refused(P_world, comm):
+    """Under torch.func's transforms the wrapper's broadcasts met wrappers without memory (torch's "Cannot access
+    data pointer" on every member); forward-mode AD is refused as by the primitives. Either is named, and the wrapper
+    steps as before after it."""
+    import torch.autograd.forward_ad as forward_ad
+    x, y = _batch(5, seed=comm.rank)
+    wrapped = DataParallel(_mlp(0), P_world, op="sum")
+    params = dict(wrapped.named_parameters())
+
+    def loss(p):
+        return ((torch.func.functional_call(wrapped, p, (x,)) - y) ** 2).sum()
+    for transform in (lambda: torch.func.grad(loss)(params), lambda: torch.func.vjp(loss, params)):
+        with pytest.raises(NotImplementedError, match=r"DataParallel: torch.func transforms \(vmap, grad"):
+            transform()
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match=r"DataParallel: forward-mode AD"):
+        wrapped(forward_ad.make_dual(x, torch.ones_like(x)))
+    _step(wrapped, x, y)
+    batches = comm.allgather((x, y))
+    _assert_grads(wrapped, _grads(_mlp(0), torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])))
 
 
 @sizes(2, 3)

@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.checks import check_mode, checksum, verify, verify_later
+from distdl.checks import CollectiveMismatchError, check_mode, checksum, verify, verify_later
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_materialised, parameter_layouts
 from distdl.partition import MPIPartition
@@ -208,8 +208,9 @@ class DataParallel(torch.nn.Module):
     collected first). A backward that ends inside another before the module's gradients are all
     ready (reentrant checkpointing of its last layers) raises RuntimeError: use
     ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. A backward that raises (on
-    every member) leaves sums in flight: the next forward through the wrapper completes them (a collective) and
-    drops that step's gradients; zero the gradients before the next backward, as after any step.
+    every member, at the same point or not) leaves sums in flight: the next forward through the wrapper in grad
+    mode completes them on every member and drops that step's gradients; zero the gradients before the next
+    backward, as after any step.
 
     Args:
         module: the replica; the members of ``P`` must hold the same parameters (dtypes, shapes, order).
@@ -247,7 +248,8 @@ class DataParallel(torch.nn.Module):
                          settings=self._settings())
         transport.bcast_in_place_all(P.comm, states)
         self._known = {id(t): weakref.ref(t) for t in states}  # broadcast: a replan broadcasts only others
-        self._flags = np.zeros(3, dtype=np.int64)  # changed, and no_sync() at this forward: off, on
+        # changed; no_sync() at this forward: off, on; 1 + the buckets a backward that raised had started
+        self._flags = np.zeros(4, dtype=np.int64)
         self._hooks: list = []
         self._flight: list = []  # the buckets and check of a backward in flight: MPI may still write their buffers
         # the hooks go with the wrapper (a dropped one does not reduce); what is in flight stays
@@ -283,18 +285,21 @@ class DataParallel(torch.nn.Module):
             _REDUCING[id(p)] = self
 
     def forward(self, *args, **kwargs):
+        cuda.refuse_unsupported("DataParallel")  # its broadcasts and hooks take real tensors, as the primitives
         if self.P._freed:  # it reduces on a communicator of its own, which P.free() leaves
             self.P._check_live("DataParallel")
-        collective = torch.is_grad_enabled() and self.P.active and self.P.size > 1
-        if collective:  # check mode: names a member that skipped a step (forward or backward; before _abandon's
-            verify("DataParallel", self.P)  # collectives, which wait for peers still in that backward's sums)
-        if self._in_flight and torch._C._current_graph_task_id() == -1:  # the last backward raised before its end
-            self._abandon()
-        if collective:
+        if torch.is_grad_enabled() and self.P.active and self.P.size > 1:
+            # the last backward raised before its end where it left sums in flight (on some members only, where
+            # the others raised before its first gradient)
+            abandoned = self._in_flight and torch._C._current_graph_task_id() == -1
+            self._verify_forward(abandoned)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._flags[:] = (_layout(self.module, params) != self._layout or _gone(self._holders), self._sync,
-                              not self._sync)
-            self._comm.Allreduce(MPI.IN_PLACE, self._flags, op=MPI.MAX)  # every member plans again, or none
+                              not self._sync, self._next + 1 if abandoned else 0)
+            # every member plans again, or none; on P's communicator, as sums may be in flight on the wrapper's
+            self.P.comm.Allreduce(MPI.IN_PLACE, self._flags, op=MPI.MAX)
+            if self._flags[3]:
+                self._abandon(int(self._flags[3]) - 1, abandoned)
             if self._flags[1] and self._flags[2]:
                 raise ValueError("DataParallel: expected no_sync() alike on every member of P, got a forward within "
                                  "it on some members only (the backward would reduce on the others only: a hang)")
@@ -348,27 +353,63 @@ class DataParallel(torch.nn.Module):
                         "its module's parameters); copy the module and wrap the copy: "
                         "DataParallel(copy.deepcopy(wrapper.module), P)")
 
-    def _abandon(self) -> None:
-        """Complete the reductions that a backward which raised left in flight, so that the members' collectives
-        stay matched; that step's gradients are dropped. Gradients summed in place are zeroed; the others are left
-        as the user left them (zero them after a failed step, as after any step)."""
-        started = self._comm.allreduce(self._next, op=MPI.MAX)  # where backward stopped may differ by member
-        for bucket in self._buckets[self._next:started]:
-            bucket.start(self._comm, self._claimed, self._divisor)
+    def __copy__(self):  # a copy would share the wrapper's hooks, which reduce for the wrapper copied (and go with it)
+        raise TypeError("DataParallel: expected no copy of the wrapper (its hooks on its module's parameters reduce "
+                        "for this wrapper alone); wrap the module once and keep that wrapper, or wrap a copy of the "
+                        "module: DataParallel(copy.deepcopy(wrapper.module), P)")
+
+    def _abandon(self, started: int, abandoned: bool) -> None:
+        """Complete the reductions that a backward which raised left in flight, the first ``started`` buckets
+        (``abandoned``: this member's backward started some), so that the members' collectives stay matched;
+        that step's gradients are dropped. Gradients summed in place are zeroed; the others are left as the user
+        left them (zero them after a failed step, as after any step)."""
+        everything = {id(p) for p in self._params}
+        for bucket in self._buckets[self._next if abandoned else 0:started]:  # where backward stopped may differ
+            bucket.start(self._comm, set(), self._divisor, absent=everything)
         for bucket in self._buckets[:started]:
             bucket.spread()
         for bucket in self._buckets[:started]:
             bucket.finish(write=False)
             bucket.drop_in_place()
         self._next, self._in_flight, self._accumulated = len(self._buckets), False, []
-        self._complete_check()
         self._flight.clear()
 
-    def _complete_check(self) -> None:
-        """Complete the check mode's check of the backward in flight, if any."""
+    def _verify_forward(self, abandoned: bool) -> None:
+        """Check mode: verify this forward on every member of ``P``, which names a member that skipped a step
+        (forward or backward) before the collectives that follow (they would wait for peers still in that
+        backward's sums). ``abandoned``: this member's last backward raised after its check started."""
+        if abandoned:  # pairs with the others' check of that backward, or their forward's (see _raised_apart)
+            self._complete_check(abandoned)
+        try:
+            verify("DataParallel", self.P)
+        except CollectiveMismatchError as error:
+            if not self._raised_apart(error, False):
+                raise
+            verify("DataParallel", self.P)  # where it started the check of that backward, this forward's follows
+
+    def _complete_check(self, abandoned: bool = False) -> None:
+        """Complete the check mode's check of the backward in flight, if any (``abandoned``: in the forward after
+        that backward raised)."""
         complete, self._check = self._check, None
-        if complete is not None:
+        if complete is None:
+            return
+        try:
             complete()
+        except CollectiveMismatchError as error:
+            if not self._raised_apart(error, abandoned):
+                raise
+
+    def _raised_apart(self, error: CollectiveMismatchError, abandoned: bool) -> bool:
+        """Whether a check's ``error`` is a backward that raised on every member of ``P``, some having started its
+        check and the others not (those that raised before the wrapper's first gradient): then the check of that
+        backward paired with the others' next forward's. Collective over ``P`` where ``error`` pairs exactly
+        these two checks (every member saw it so): members that started that backward's check say whether it
+        raised (``abandoned``), which those at the forward cannot know."""
+        if set(error.differences) != {"primitive"} or set(error.differences["primitive"]) != {
+                "DataParallel", "DataParallel (backward)"}:
+            return False
+        started = error.where == "DataParallel (backward)"
+        return all(said is not False for said in self.P.comm.allgather(abandoned if started else None))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
