@@ -55,7 +55,8 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 # Benchmarks (see benchmarks/README.md): primitives against raw mpi4py and gloo at 2 and 4 ranks, the
 # allocator settings, the MPI thread level, a CNN training step and a data-parallel step; reports in
 # benchmarks/results/.
-# The recommended run-time settings: MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE locks every call),
+# The recommended run-time settings on the CPU: MPI_THREAD_SERIALIZED (MPI_THREAD_MULTIPLE locks every call;
+# GPUs staged through the host need it: docs/gpu.md),
 # and a glibc heap that keeps freed memory (no mmap, no trimming), so large outputs are not page-faulted anew each call.
 BENCH_MPI := MPI4PY_RC_THREAD_LEVEL=serialized
 BENCH_MALLOC := MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=17179869184

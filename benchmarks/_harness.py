@@ -15,10 +15,14 @@ from collections.abc import Callable
 
 import mpi4py
 
-# MPI_THREAD_MULTIPLE (mpi4py's default) makes MPICH take a lock around every call: an 8 B
-# allreduce costs ~3.0 us instead of ~1.75 us. distdl calls MPI from one thread at a time (CPU
-# autograd runs backward on the calling thread; CUDA autograd on one thread per device), so
-# "serialized" is enough. The environment variable MPI4PY_RC_THREAD_LEVEL overrides this.
+# MPI_THREAD_MULTIPLE (mpi4py's default) makes MPICH take a lock around every call: a raw 8 B
+# allreduce took 3.5 us against 3.0 us under "serialized" (best rounds, 2 ranks; the thread table of
+# results/primitives.md). On the CPU distdl calls MPI from one thread at a time (autograd runs a CPU
+# backward on the calling thread), and so do these scripts' single primitives on a GPU, so "serialized"
+# is enough here. Training on GPUs staged through the host (MPI not CUDA-aware) is not: a primitive's
+# adjoint runs in the calling thread while the device's autograd thread may call MPI too (DataParallel's
+# hooks, DistributedBatchNorm's sums); that needs MPI_THREAD_MULTIPLE (docs/gpu.md). The environment
+# variable MPI4PY_RC_THREAD_LEVEL overrides this.
 if "MPI4PY_RC_THREAD_LEVEL" not in os.environ:
     mpi4py.rc.thread_level = "serialized"
 

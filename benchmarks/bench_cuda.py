@@ -8,10 +8,17 @@ pinned host buffer (``distdl.backends.cuda``). The hand-written alternative it i
 is what a user would write with mpi4py: copy the tensor into a preallocated pinned host buffer,
 run the collective into another, copy the result back into a preallocated device tensor (or, with
 CUDA-aware MPI, the collective on the device buffers). Every variant ends with a device
-synchronisation. Forward+backward is ``y = op(x); y.backward(g)`` against the hand-written
-collective and its adjoint's. From 1 MiB it also times window_exchange of a block split along one
-dimension (the halo of a 3x3 convolution: a row from each neighbour) against the same written by hand:
-the block copied into the window on the device, the boundary rows sent through pinned host buffers.
+synchronisation. distdl's forward ("fwd") runs with grad mode on, on an input that does not require
+grad; distdl records the primitive in the graph anyway (``in_graph``: every member must take part in a
+backward), so it times a forward as in training, as ``bench_primitives.py``'s "distdl fwd" does (not
+the no-grad path). Forward+backward is ``y = op(x); y.backward(g)`` against the hand-written forward
+transfer run twice ("by hand x2"), not a hand-written adjoint. For all_sum_reduce, which is its own
+adjoint, that is the same work; for all_gather the adjoint is a reduce-scatter and for window_exchange
+an add of the halo gradients into the block, which move as much data as the forward and add it too, so
+there the baseline understates the adjoint's work and the forward+backward ratios favour the baseline.
+From 1 MiB it also times window_exchange of a block split along one dimension (the halo of a 3x3
+convolution: a row from each neighbour) against the same written by hand: the block copied into the
+window on the device, the boundary rows sent through pinned host buffers.
 """
 
 from __future__ import annotations
@@ -135,7 +142,7 @@ def main() -> None:
                 raw()
                 sync()
 
-            def raw_twice():
+            def raw_twice():  # the forward's transfer twice: a stand-in for the adjoint, exact only for all_sum_reduce
                 raw()
                 raw()
                 sync()
@@ -149,7 +156,13 @@ def main() -> None:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["transport"] = "CUDA-aware MPI" if direct else "staged through pinned host memory"
         lines = ["# bench_cuda.py", "", " · ".join(f"{k}: {v}" for k, v in info.items()), "",
-                 "Medians in microseconds; ratios are medians of per-round ratios (distdl / by hand).", "",
+                 "Medians in microseconds; ratios are medians of per-round ratios (distdl / by hand). *fwd* is "
+                 "distdl's forward with grad mode on (it records the primitive for autograd although the input "
+                 "does not require grad); *fwd+bwd* is `y = op(x); y.backward(g)`. *by hand x2* is the "
+                 "hand-written forward transfer run twice, not a hand-written adjoint: exact for all_sum_reduce "
+                 "(its own adjoint), but all_gather's adjoint is a reduce-scatter and window_exchange's an add of "
+                 "the halo gradients, which move as much data as the forward and add it too, so for those two the "
+                 "fwd+bwd ratio favours the by-hand side.", "",
                  "| primitive | size | fwd | by hand | ratio | fwd+bwd | by hand x2 | ratio |",
                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for name, size, f, r, fb, r2, q1, q2 in rows:

@@ -1,18 +1,18 @@
 """Measure the extra memory of a 64 MiB AllSumReduce, and large calls under an allocator setting.
 
 Run: ``mpiexec -n 2 python benchmarks/bench_memory.py --label NAME`` under the allocator settings
-to compare (``make bench`` runs it with glibc's defaults, with ``MALLOC_MMAP_MAX_=0
-MALLOC_TRIM_THRESHOLD_=...`` and with ``THP_MEM_ALLOC_ENABLE=1``, twice each, alternating). glibc
+to compare (``make bench`` runs it once each, one after the other: with glibc's defaults, with
+``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` and with ``THP_MEM_ALLOC_ENABLE=1``). glibc
 reads these at start-up and stops adapting its thresholds after any ``mallopt``, so the settings
-cannot be interleaved inside one process: each run interleaves distdl and raw mpi4py, and the
-runs alternate. It writes ``results/memory-<label>.json``, which ``bench_primitives.py --report``
-adds to ``results/primitives.md``.
+cannot be interleaved inside one process: each run interleaves distdl and raw mpi4py, and only
+ratios within a run are exact. It writes ``results/memory-<label>.json`` (``--output`` to write
+elsewhere), which ``bench_primitives.py --report`` adds to ``results/primitives.md``.
 
 1. Peak memory: each rank's resident high-water mark (Linux VmHWM, reset before the call) above
    its resident memory just before, less the output the call returns; for distdl's forward,
    forward+backward, and raw mpi4py's Allreduce into a preallocated buffer (and in place).
 2. Time: distdl's forward and raw mpi4py's (into a preallocated buffer, and into a new tensor each
-   call as distdl must) at 1 to 64 MiB, for all_sum_reduce, broadcast and all_gather.
+   call as distdl must) at 1 to 64 MiB (``--sizes``), for all_sum_reduce, broadcast and all_gather.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def memory_table(comm: MPI.Comm, P: MPIPartition, n: int) -> dict:
 
 def _fresh_output(name: str, comm: MPI.Comm, n: int):
     """Return raw mpi4py's collective writing into a new tensor each call, as distdl must (outputs never alias)."""
-    x = torch.rand(n if name != "all_gather" else n // comm.size)
+    # all_gather's blocks as bench_primitives' case has them: n rounded up to a multiple of the ranks.
+    x = torch.rand(n if name != "all_gather" else -(-n // comm.size))
 
     def all_sum_reduce_():
         y = torch.empty(n)
@@ -97,7 +98,7 @@ def _fresh_output(name: str, comm: MPI.Comm, n: int):
     return {"all_sum_reduce": all_sum_reduce_, "broadcast": broadcast_, "all_gather": all_gather_}[name]
 
 
-def timing_table(comm: MPI.Comm, P: MPIPartition, sizes: list[int], rounds: int) -> dict:
+def timing_table(comm: MPI.Comm, P: MPIPartition, sizes: list[int], rounds: int, budget: float) -> dict:
     out = {}
     for size in sizes:
         for name in ("all_sum_reduce", "broadcast", "all_gather"):
@@ -105,7 +106,7 @@ def timing_table(comm: MPI.Comm, P: MPIPartition, sizes: list[int], rounds: int)
             key = f"{name} {h.format_size(size)}"
             variants = {k: case[k] for k in ("distdl fwd", "mpi4py fwd")}
             variants["mpi4py fwd, fresh output"] = _fresh_output(name, comm, size // 4)
-            out[key] = h.interleaved(comm, variants, rounds=rounds, budget_s=20)
+            out[key] = h.interleaved(comm, variants, rounds=rounds, budget_s=budget)
             if comm.rank == 0:
                 print(key, {k: round(h.median(v) * 1e3, 1) for k, v in out[key].items()}, "ms", flush=True)
     return out
@@ -115,6 +116,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--label", default="default")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[MiB, 4 * MiB, 16 * MiB, 64 * MiB],
+                        help="global tensor sizes in bytes for the timings")
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds of timing per primitive and size")
+    parser.add_argument("--output", help="JSON path (default results/memory-<label>.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -122,11 +127,11 @@ def main() -> None:
     P = MPIPartition(comm)
     result = {"machine": h.machine(), "label": args.label,
               "memory": memory_table(comm, P, 64 * MiB // 4),
-              "timing": timing_table(comm, P, [MiB, 4 * MiB, 16 * MiB, 64 * MiB], args.rounds)}
+              "timing": timing_table(comm, P, args.sizes, args.rounds, args.budget)}
     result["machine"]["load during run"] = [round(os.getloadavg()[0], 1)] * 2
     if comm.rank == 0:
-        path = os.path.join(h.RESULTS, f"memory-{args.label}.json")
-        os.makedirs(h.RESULTS, exist_ok=True)
+        path = args.output or os.path.join(h.RESULTS, f"memory-{args.label}.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f)
         for name, extra in result["memory"].items():

@@ -145,16 +145,23 @@ def measure(args, comm: MPI.Comm, P: MPIPartition) -> tuple[list[list[str]], lis
     return rows, checks, exposed
 
 
+def left_right(comm: MPI.Comm) -> tuple[int, int]:
+    """The ranks a ring step receives from and sends to."""
+    return (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+
+
 def exchange(comm: MPI.Comm, send: torch.Tensor, recv: torch.Tensor) -> list[MPI.Request]:
-    """Post one ring step: receive from the left, send to the right."""
-    left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+    """Post one ring step: receive from the left (``recv`` sized for the left's block), send to the right."""
+    left, right = left_right(comm)
     return [comm.Irecv(recv.numpy(), left, 7), comm.Isend(send.numpy(), right, 7)]
 
 
 def probe(comm: MPI.Comm, P: MPIPartition, tokens: int, hidden: int, reps: int = 7) -> dict[str, float]:
     """Time (ms, slowest rank) one ring step alone, its Waitall after a GEMM, and the plain path's collectives."""
     h_local = local_extent(hidden, P)
-    send, recv = torch.randn(tokens, h_local), torch.empty(tokens, h_local)
+    # Blocks differ by one feature where hidden does not divide over the ranks: receive the left's extent.
+    h_left = comm.allgather(h_local)[left_right(comm)[0]]
+    send, recv = torch.randn(tokens, h_local), torch.empty(tokens, h_left)
     a, w = torch.randn(tokens, hidden), torch.randn(h_local, hidden)
     product = torch.randn(tokens, hidden)
     samples = h.interleaved(comm, {

@@ -5,10 +5,13 @@
 The model is a row-parallel linear layer: each rank holds ``Linear(features / P, out)`` on its
 slice of the input features, and ``all_sum_reduce`` adds the partial outputs (its backward is
 itself), followed by a local ReLU and a second local linear layer and an MSE loss, trained with
-SGD. Every tenth batch is smaller, as a last batch would be. The script reports resident memory
-(``VmRSS``) after warm-up and at the end (target: growth below 1%), and
-``distdl.partition.live_communicators()`` after warm-up and at the end (must not change); it
-prints the report and writes it to ``benchmarks/results/soak.md`` (``--output``).
+SGD. The second layer is replicated: it starts alike on every rank (its own seed) and, since every
+rank computes the same sum, stays so, one model with the same loss on every rank. Every tenth batch
+is smaller, as a last batch would be. The script reports resident memory
+(``VmRSS``) after warm-up and at the end (target: growth below 1%),
+``distdl.partition.live_communicators()`` after warm-up and at the end (must not change), and
+whether the replicated layer is identical on every rank at the end; it prints the report and writes
+it to ``benchmarks/results/soak.md`` (``--output``).
 ``--check`` runs every step with check mode on and a ``verify`` call before the sum.
 """
 
@@ -58,6 +61,9 @@ def main() -> None:
     local_features = args.features // P_x.size + (P_x.rank < args.features % P_x.size)
     # Only rank 0 holds the first layer's bias, so the sum adds it once.
     first = torch.nn.Linear(local_features, 32, bias=P_x.rank == 0, dtype=torch.float64)
+    # The second layer is replicated: it must start alike on every rank, so it draws from a seed of its own
+    # (the first layer's shape and bias differ by rank, and so does where it leaves the shared stream).
+    torch.manual_seed(1)
     second = torch.nn.Linear(32, 4, dtype=torch.float64)
     parameters = list(first.parameters()) + list(second.parameters())
     optimizer = torch.optim.SGD(parameters, lr=1e-2)
@@ -88,17 +94,20 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     gc.collect()
     rss_end, communicators_end = resident_kib(), live_communicators()
+    # One model: every rank computes the same sum, so the replicated layer must still be the same everywhere.
+    replicated = P_world.comm.gather([p.detach().clone() for p in second.parameters()], root=0)
 
     rows = P_world.comm.gather((P_world.rank, rss_warm, rss_end, communicators_built, communicators_warm,
                                 communicators_end, elapsed, loss), root=0)
     if P_world.rank == 0:
-        report = _report(args, warmup, rows)
+        same = all(torch.equal(a, b) for other in replicated for a, b in zip(replicated[0], other))
+        report = _report(args, warmup, rows, same)
         print(report)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(report)
 
 
-def _report(args: argparse.Namespace, warmup: int, rows: list[tuple]) -> str:
+def _report(args: argparse.Namespace, warmup: int, rows: list[tuple], same: bool) -> str:
     worst = max((end - warm) / warm for _, warm, end, *_ in rows)
     flat = all(c_warm == c_end for _, _, _, _, c_warm, c_end, _, _ in rows)
     slowest = max(r[6] for r in rows)
@@ -124,7 +133,8 @@ def _report(args: argparse.Namespace, warmup: int, rows: list[tuple]) -> str:
         lines.append(f"| {rank} | {warm} | {end} | {100 * (end - warm) / warm:+.2f}% | {c_built} / {c_warm} / {c_end} "
                      f"| {loss:.4g} |")
     lines += ["", f"Worst memory growth {100 * worst:+.2f}% (target < 1%): {'PASS' if worst < 0.01 else 'FAIL'}. "
-                  f"Live communicators constant after warm-up: {'PASS' if flat else 'FAIL'}.", ""]
+                  f"Live communicators constant after warm-up: {'PASS' if flat else 'FAIL'}. "
+                  f"Replicated second layer identical on every rank at the end: {'PASS' if same else 'FAIL'}.", ""]
     return "\n".join(lines)
 
 
