@@ -11,6 +11,7 @@ from distdl.nn.conv_feature import DistributedFeatureConv1d, DistributedFeatureC
 from distdl.nn.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
 from distdl.nn.data_parallel import DataParallel, all_reduce_gradients
 from distdl.nn.embedding import DistributedEmbedding
+from distdl.nn.grad_scaler import GradScaler
 from distdl.nn.halo_exchange import HaloExchange
 from distdl.nn.invariant import AllSumReduceBackward, AllSumReduceForward
 from distdl.nn.layernorm import DistributedLayerNorm
@@ -40,5 +41,5 @@ __all__ = [
     "DistributedLinearAllGather", "DistributedLinearReduceScatter", "DistributedMaxPool1d", "DistributedMaxPool2d",
     "DistributedMaxPool3d", "DistributedMSELoss", "DistributedPoissonNLLLoss", "DistributedUpsample",
     # data parallelism and training
-    "DataParallel", "all_reduce_gradients", "clip_grad_norm_",
+    "DataParallel", "GradScaler", "all_reduce_gradients", "clip_grad_norm_",
 ]
