@@ -199,12 +199,9 @@ def _complete(where: str, comm: MPI.Intracomm, facts: dict[str, str], record: np
     _wait(where, comm, int(record[1]), request, (record, records))
     if (records == record).all():
         return
-    done = _left_elsewhere(comm, record, records, left_behind)
-    if done is False:  # this worker's check paired with the others' left-behind one: again
-        again = verify_later(where, comm, agree=facts, left_behind=left_behind)
-        if again is not None:
-            again()
-    if done is not None:
+    if _left_elsewhere(comm, records, left_behind):
+        if left_behind is None:  # this worker's check paired with the others' left-behind one: again
+            verify(where, comm, agree=facts)
         return
     # Every member saw the same records, so every member takes this branch: describe and raise.
     described = comm.allgather({"primitive": where, "call number": int(record[1]), **facts})
@@ -225,24 +222,17 @@ def _complete(where: str, comm: MPI.Intracomm, facts: dict[str, str], record: np
     raise CollectiveMismatchError(where, differences)
 
 
-def _left_elsewhere(comm: MPI.Intracomm, record: np.ndarray, records: np.ndarray,
-                    left_behind: Callable[[], bool] | None) -> bool | None:
+def _left_elsewhere(comm: MPI.Intracomm, records: np.ndarray, left_behind: Callable[[], bool] | None) -> bool:
     """Whether differing ``records`` are a late check that a backward which raised left behind on some workers,
-    paired with the others' next check (those raised before they started it, or never made that backward): True
-    where this worker's check is the one left behind (done), False where it is the others' (make this one again),
-    None otherwise. Collective where the records fall in two groups with one call number (every worker sees the
-    same records): each worker says whether its check was left behind; the pairing is that where every worker of
-    one group, and none of the other, says so, and that group's records are late."""
-    groups: dict[tuple, list[int]] = {}
-    for rank, r in enumerate(records.tolist()):
-        groups.setdefault(tuple(r), []).append(rank)
-    if len(groups) != 2 or (records[:, 1] != records[0, 1]).any():
-        return None
-    said = comm.allgather(left_behind is not None and bool(left_behind()))
-    left = [key for key, ranks in groups.items() if all(said[i] for i in ranks)]
-    if len(left) != 1 or left[0][0] != _MAGIC_LATE or sum(said) != len(groups[left[0]]):
-        return None
-    return tuple(record.tolist()) == left[0]
+    paired with the others' next check (those raised before they started it). Collective where the records have
+    that form (every worker sees the same records): the workers that started it say whether it was left behind."""
+    late = records[:, 0] == _MAGIC_LATE
+    if late.all() or not late.any() or (records[:, 1] != records[0, 1]).any():
+        return False
+    if (records[late] != records[late][0]).any() or (records[~late] != records[~late][0]).any():
+        return False
+    said = comm.allgather(None if left_behind is None else bool(left_behind()))
+    return all(s is not False for s in said)
 
 
 def _wait(where: str, comm: MPI.Comm, number: int, request: MPI.Request, buffers: tuple) -> None:
@@ -347,22 +337,16 @@ def _hash(text: str) -> int:
 
 
 def _next_sequence(comm: MPI.Comm) -> int:
-    """Return this communicator's call number and advance it."""
-    return next_number(comm, "calls")
-
-
-def next_number(comm: MPI.Comm, what: str) -> int:
-    """Return the number of ``what`` counted on ``comm`` so far and count one more (kept in an MPI attribute of
-    ``comm``): the same on every member where each member counts the same collective calls."""
+    """Return this communicator's call number and advance it (kept as an MPI attribute of ``comm``)."""
     global _keyval
     if _keyval is None:
         _keyval = MPI.Comm.Create_keyval()
-    counters = comm.Get_attr(_keyval)
-    if counters is None:
-        counters = {}
-        comm.Set_attr(_keyval, counters)
-    counters[what] = counters.get(what, 0) + 1
-    return counters[what] - 1
+    counter = comm.Get_attr(_keyval)
+    if counter is None:
+        counter = [0]
+        comm.Set_attr(_keyval, counter)
+    counter[0] += 1
+    return counter[0] - 1
 
 
 def _world_ranks(comm: MPI.Comm) -> list[int]:

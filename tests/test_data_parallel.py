@@ -799,17 +799,15 @@ def test_a_backward_that_raised(P_world, comm, set_to_none):
 
 @sizes(2, 3, 4)
 @pytest.mark.parametrize("checked", [False, True])
-@pytest.mark.parametrize("then", ["its forward", "a check on P", "another wrapper's forward",
-                                  "another wrapper's backward", "a new wrapper", "a step unchecked"])
+@pytest.mark.parametrize("then", ["its forward", "a check on P", "another wrapper's forward"])
 def test_a_backward_that_raised_at_another_point_on_each_member(P_world, comm, checked, then, monkeypatch):
     """A backward that raises on every member, but on rank 0 before the wrapper's first gradient (a hook on the
     output) and on ranks 1, 2, 3 at the first, second or last layer's weight (some or all of its sums started):
     caught, the next forward completes them on every member, and the steps after it give the full-batch
     gradients. It completed them on those that had started them only (a hang, or MPI's "message truncated"). In
     check mode, the check of that backward, started on some members only, paired with the others' next check on P
-    (the wrapper's forward, a primitive's in a validation step, another wrapper's forward or backward, a new
-    wrapper's construction; after a step with check mode off): a false mismatch, a timeout or a hang; the members
-    now agree that it was left behind."""
+    (the wrapper's forward, a primitive's in a validation step, another wrapper's forward): a false mismatch or a
+    timeout; the members now agree that it was left behind."""
     import distdl
     from distdl.functional import all_sum_reduce
     monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "30")
@@ -826,7 +824,6 @@ def test_a_backward_that_raised_at_another_point_on_each_member(P_world, comm, c
         raise RuntimeError("a hook failed")
     with distdl.checking() if checked else contextlib.nullcontext():
         wrapped.zero_grad()
-        other_loss = ((other(x[rows]) - y[rows]) ** 2).sum()
         out = wrapped(x[rows])
         handle = (out if layer is None else wrapped.module[layer].weight).register_hook(fail)
         with pytest.raises(RuntimeError, match="a hook failed"):
@@ -837,19 +834,6 @@ def test_a_backward_that_raised_at_another_point_on_each_member(P_world, comm, c
             with torch.no_grad():
                 total = all_sum_reduce(torch.ones(1), P, axes_reduce=[0])
             assert total.item() == comm.size
-        if then == "another wrapper's backward":
-            other.zero_grad()
-            other_loss.backward()
-            _assert_grads(other, _grads(_mlp(1), x, y))
-        if then == "a new wrapper":
-            del wrapped
-            gc.collect()
-            wrapped = DataParallel(_mlp(0), P, bucket_cap_mb=TINY_CAP, op="sum")
-        if then == "a step unchecked":
-            with distdl.checking(False):
-                wrapped.zero_grad()
-                ((wrapped(x[rows]) - y[rows]) ** 2).sum().backward()
-                _assert_grads(wrapped, expected)
         for _ in range(2):
             wrapped.zero_grad()
             loss = ((wrapped(x[rows]) - y[rows]) ** 2).sum()

@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.checks import check_mode, checksum, next_number, verify, verify_later
+from distdl.checks import check_mode, checksum, verify, verify_later
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_materialised, parameter_layouts
 from distdl.partition import MPIPartition
@@ -238,8 +238,6 @@ class DataParallel(torch.nn.Module):
         self._accumulated: list[tuple] = []  # op="sum": (p, its .grad weakly) a backward accumulated onto reduced
         if not P.active or P.size == 1:
             return
-        verify("DataParallel (construction)", P)  # check mode: also completes a check left behind on P
-        self._serial = next_number(P.comm, "DataParallel")  # which of the wrappers on P: the same on every member
         _refuse_taken(P, params)
         # Its own communicator: the reductions of two wrappers over the same workers (a GAN's two models) may start
         # in another order on each member (a bucket with a parameter unused there starts at the end of backward).
@@ -456,8 +454,8 @@ class DataParallel(torch.nn.Module):
             # check mode: a member that skipped this backward, or made a forward its peers did not, is named (this
             # pairs with its next forward's check); completed at the end, as wrappers on other communicators may
             # start theirs in another order (where this backward raises, by the next check on P)
-            self._check = verify_later("DataParallel (backward)", self.P, agree={"wrapper on P": self._serial},
-                                       left_behind=functools.partial(_left_behind, weakref.ref(self), task))
+            self._check = verify_later("DataParallel (backward)", self.P,
+                                       left_behind=functools.partial(_left_behind, weakref.ref(self)))
             self._flight[:] = [self._buckets, self._check]
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
@@ -484,12 +482,10 @@ class DataParallel(torch.nn.Module):
 _REDUCING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def _left_behind(wrapper: weakref.ref, task: int) -> bool:
-    """Whether the backward ``task`` of a wrapper (or of a dropped one), its check still in flight, raised: the
-    wrapper is no longer in it (abandoned, or in another backward), nor is this thread."""
+def _left_behind(wrapper: weakref.ref) -> bool:
+    """Whether the backward in flight of a wrapper (or a dropped one) raised: it stopped before its end."""
     self = wrapper()
-    return (self is None or not self._in_flight or self._task != task
-            or torch._C._current_graph_task_id() != task)
+    return self is None or (self._in_flight and torch._C._current_graph_task_id() == -1)
 
 
 def _refuse_taken(P: MPIPartition, params: list) -> None:
