@@ -635,23 +635,3 @@ def test_a_failed_check_in_another_primitive_names_both(P_world, comm):
     assert f"; and on primitive: {_clause({'all_sum_reduce': others, 'all_gather': [1]})}" in str(info.value), \
         str(info.value)
     assert "shape" not in str(info.value)
-
-
-@sizes(2, 3)
-def test_a_late_check_left_behind_on_some_workers(P_world, comm):
-    """A late check (a backward's) started on rank 0 alone and left behind there (its backward raised) pairs with
-    the others' next check: they agree on it, and that next check, then the one after, pass on every worker. Where
-    rank 0 completes it as not left behind (a backward it ran to its end while the others skipped theirs), the
-    pairing is a mismatch on every worker, naming both calls."""
-    P = P_world.create_cartesian_topology_partition((comm.size,))
-    for left in (True, False):
-        with checking():
-            late = checks.verify_later("a backward", P, left_behind=lambda: left) if comm.rank == 0 else None
-            if left:
-                verify("next", P, agree={"n": 1})  # completes rank 0's late check first
-                verify("after", P)
-            else:
-                with pytest.raises(CollectiveMismatchError, match="a backward") as info:
-                    late() if comm.rank == 0 else verify("next", P)
-                assert _clause({"a backward": [0], "next": list(range(1, comm.size))}) in str(info.value)
-                assert not checks._late
