@@ -55,13 +55,11 @@ def _from_environment() -> bool:
 
 _enabled = shared("DISTDL_CHECK", _from_environment())  # a worker checking alone would wait for its peers' records
 _MAGIC = int.from_bytes(b"distdl", "big")  # a record from anything but verify() shows up as a mismatch
-_MAGIC_LATE = _MAGIC + 1  # the record of a check that a backward which raised may leave behind (see verify_later)
 _RECORD = 4  # magic, sequence number, name hash, facts hash
 _TENSOR_FACTS = ("shape", "dtype", "device")
 _keyval: int | None = None
 _hashes: dict[str, int] = {}
 _abandoned: list = []  # requests given up on (see _wait)
-_late: list = []  # (communicator handle, completion, left behind?) of late checks in flight, in the order started
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -145,18 +143,10 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
 
 
 def verify_later(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None = None,
-                 agree: Mapping[str, Any] | Iterable[str] | None = None,
-                 left_behind: Callable[[], bool] | None = None) -> Callable[[], None] | None:
+                 agree: Mapping[str, Any] | Iterable[str] | None = None) -> Callable[[], None] | None:
     """:func:`verify`, its exchange started now and completed by the function returned (which waits, and raises
-    as :func:`verify` does; a second call does nothing); None where there is nothing to complete. For a check that
-    workers start in an order of their own, such as autograd's order of a backward's hooks, with checks on other
-    communicators between.
-
-    ``left_behind``: the check of a backward, which may raise on every worker, but on some before it started the
-    check and on others after. Where ``left_behind()`` says so (that backward raised), the next check on the
-    communicator completes it first; where it paired with the others' next check, the workers agree on it
-    (every one that started it says it was left behind), and those go on to make theirs again.
-    """
+    as :func:`verify` does); None where there is nothing to complete. For a check that workers start in an order
+    of their own, such as autograd's order of a backward's hooks, with checks on other communicators between."""
     if not _enabled:
         return None
     if not isinstance(where, str):
@@ -164,44 +154,21 @@ def verify_later(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | 
     comm = _communicator(P)
     if comm == MPI.COMM_NULL:
         return None
-    _settle(comm)
     facts = _facts(x, agree)
-    record = np.array([_MAGIC if left_behind is None else _MAGIC_LATE, _next_sequence(comm), _hash(where),
-                       _hash(repr(sorted(facts.items())))], dtype=np.int64)
+    record = np.array([_MAGIC, _next_sequence(comm), _hash(where), _hash(repr(sorted(facts.items())))],
+                      dtype=np.int64)
     if comm.Get_size() == 1:
         return None
     records = np.empty((comm.Get_size(), _RECORD), dtype=np.int64)
     request = comm.Iallgather([record, MPI.INT64_T], [records, MPI.INT64_T])
-    complete = functools.partial(_complete, where, comm, facts, record, records, request, left_behind)
-    if left_behind is None:
-        return complete
-    entry = (comm.py2f(), complete, left_behind)
-    _late.append(entry)
-
-    def complete_late() -> None:
-        if any(e is entry for e in _late):
-            _late[:] = [e for e in _late if e is not entry]
-            complete()
-    return complete_late
-
-
-def _settle(comm: MPI.Intracomm) -> None:
-    """Complete, in the order started, the late checks on ``comm`` that a backward which raised left behind."""
-    handle = comm.py2f()
-    for entry in [e for e in _late if e[0] == handle and e[2]()]:
-        _late[:] = [e for e in _late if e is not entry]
-        entry[1]()
+    return functools.partial(_complete, where, comm, facts, record, records, request)
 
 
 def _complete(where: str, comm: MPI.Intracomm, facts: dict[str, str], record: np.ndarray, records: np.ndarray,
-              request: MPI.Request, left_behind: Callable[[], bool] | None = None) -> None:
+              request: MPI.Request) -> None:
     """Wait for a check's records and raise CollectiveMismatchError where any differs."""
     _wait(where, comm, int(record[1]), request, (record, records))
     if (records == record).all():
-        return
-    if _left_elsewhere(comm, records, left_behind):
-        if left_behind is None:  # this worker's check paired with the others' left-behind one: again
-            verify(where, comm, agree=facts)
         return
     # Every member saw the same records, so every member takes this branch: describe and raise.
     described = comm.allgather({"primitive": where, "call number": int(record[1]), **facts})
@@ -220,19 +187,6 @@ def _complete(where: str, comm: MPI.Intracomm, facts: dict[str, str], record: np
     if not differences:  # a record from a collective other than verify(), or a hash collision
         differences["check record"] = {"different records (is check mode on on every rank?)": ranks}
     raise CollectiveMismatchError(where, differences)
-
-
-def _left_elsewhere(comm: MPI.Intracomm, records: np.ndarray, left_behind: Callable[[], bool] | None) -> bool:
-    """Whether differing ``records`` are a late check that a backward which raised left behind on some workers,
-    paired with the others' next check (those raised before they started it). Collective where the records have
-    that form (every worker sees the same records): the workers that started it say whether it was left behind."""
-    late = records[:, 0] == _MAGIC_LATE
-    if late.all() or not late.any() or (records[:, 1] != records[0, 1]).any():
-        return False
-    if (records[late] != records[late][0]).any() or (records[~late] != records[~late][0]).any():
-        return False
-    said = comm.allgather(None if left_behind is None else bool(left_behind()))
-    return all(s is not False for s in said)
 
 
 def _wait(where: str, comm: MPI.Comm, number: int, request: MPI.Request, buffers: tuple) -> None:

@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from distdl.backends import cuda
 from distdl.backends import mpi as transport
-from distdl.checks import check_mode, checksum, verify, verify_later
+from distdl.checks import CollectiveMismatchError, check_mode, checksum, verify, verify_later
 from distdl.functional._common import check_flags, check_partition
 from distdl.nn.module import CollectStateMixin, StateLayout, block_holders, check_materialised, parameter_layouts
 from distdl.partition import MPIPartition
@@ -292,9 +292,7 @@ class DataParallel(torch.nn.Module):
             # the last backward raised before its end where it left sums in flight (on some members only, where
             # the others raised before its first gradient)
             abandoned = self._in_flight and torch._C._current_graph_task_id() == -1
-            # check mode: names a member that skipped a step (forward or backward) before the collectives below,
-            # which would wait for peers still in that backward's sums
-            verify("DataParallel", self.P)
+            self._verify_forward(abandoned)
             params = [p for p in self.module.parameters() if p.requires_grad]
             self._flags[:] = (_layout(self.module, params) != self._layout or _gone(self._holders), self._sync,
                               not self._sync, self._next + 1 if abandoned else 0)
@@ -373,14 +371,45 @@ class DataParallel(torch.nn.Module):
         for bucket in self._buckets[:started]:
             bucket.finish(write=False)
             bucket.drop_in_place()
-        self._next, self._in_flight, self._accumulated, self._check = len(self._buckets), False, [], None
-        self._flight.clear()  # check mode: its check is completed by the next check on P (see checks.verify_later)
+        self._next, self._in_flight, self._accumulated = len(self._buckets), False, []
+        self._flight.clear()
 
-    def _complete_check(self) -> None:
-        """Complete the check mode's check of the backward in flight, if any."""
+    def _verify_forward(self, abandoned: bool) -> None:
+        """Check mode: verify this forward on every member of ``P``, which names a member that skipped a step
+        (forward or backward) before the collectives that follow (they would wait for peers still in that
+        backward's sums). ``abandoned``: this member's last backward raised after its check started."""
+        if abandoned:  # pairs with the others' check of that backward, or their forward's (see _raised_apart)
+            self._complete_check(abandoned)
+        try:
+            verify("DataParallel", self.P)
+        except CollectiveMismatchError as error:
+            if not self._raised_apart(error, False):
+                raise
+            verify("DataParallel", self.P)  # where it started the check of that backward, this forward's follows
+
+    def _complete_check(self, abandoned: bool = False) -> None:
+        """Complete the check mode's check of the backward in flight, if any (``abandoned``: in the forward after
+        that backward raised)."""
         complete, self._check = self._check, None
-        if complete is not None:
+        if complete is None:
+            return
+        try:
             complete()
+        except CollectiveMismatchError as error:
+            if not self._raised_apart(error, abandoned):
+                raise
+
+    def _raised_apart(self, error: CollectiveMismatchError, abandoned: bool) -> bool:
+        """Whether a check's ``error`` is a backward that raised on every member of ``P``, some having started its
+        check and the others not (those that raised before the wrapper's first gradient): then the check of that
+        backward paired with the others' next forward's. Collective over ``P`` where ``error`` pairs exactly
+        these two checks (every member saw it so): members that started that backward's check say whether it
+        raised (``abandoned``), which those at the forward cannot know."""
+        if set(error.differences) != {"primitive"} or set(error.differences["primitive"]) != {
+                "DataParallel", "DataParallel (backward)"}:
+            return False
+        started = error.where == "DataParallel (backward)"
+        return all(said is not False for said in self.P.comm.allgather(abandoned if started else None))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -453,9 +482,8 @@ class DataParallel(torch.nn.Module):
             self._task, self._in_flight, self._next = task, True, 0
             # check mode: a member that skipped this backward, or made a forward its peers did not, is named (this
             # pairs with its next forward's check); completed at the end, as wrappers on other communicators may
-            # start theirs in another order (where this backward raises, by the next check on P)
-            self._check = verify_later("DataParallel (backward)", self.P,
-                                       left_behind=functools.partial(_left_behind, weakref.ref(self)))
+            # start theirs in another order
+            self._check = verify_later("DataParallel (backward)", self.P)
             self._flight[:] = [self._buckets, self._check]
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
@@ -480,12 +508,6 @@ class DataParallel(torch.nn.Module):
 
 # id of a parameter -> the live DataParallel reducing it (which holds the parameter, so the id stays its own)
 _REDUCING: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def _left_behind(wrapper: weakref.ref) -> bool:
-    """Whether the backward in flight of a wrapper (or a dropped one) raised: it stopped before its end."""
-    self = wrapper()
-    return self is None or (self._in_flight and torch._C._current_graph_task_id() == -1)
 
 
 def _refuse_taken(P: MPIPartition, params: list) -> None:
