@@ -152,6 +152,9 @@ def test_dtypes_and_noncontiguous(P_world, comm):
         assert y.dtype == dtype and torch.equal(y, base.to(dtype)), dtype
     big = torch.tensor([2 ** 62 + 1, -2 ** 53 - 1], dtype=torch.int64)
     assert torch.equal(layer(big if P_x.active else torch.zeros(0, dtype=torch.int64)), big)  # bits exactly
+    for dtype in (torch.int64, torch.bool):  # an empty block of data keeps its dtype (it went as float32)
+        y = layer(torch.zeros(2, 0, dtype=dtype) if P_x.active else torch.zeros(0))
+        assert y.dtype == dtype and y.shape == (2, 0), (dtype, y.dtype)
     t = random_tensor((4, 6), seed=3).t()  # non-contiguous
     assert torch.equal(layer(t if P_x.active else torch.zeros(0, dtype=torch.float64)), t)
 

@@ -104,6 +104,8 @@ def test_dtypes_and_noncontiguous(P_world, comm):
     for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.int8, torch.uint8, torch.complex128):
         y = layer(base.to(dtype))
         assert (y.dtype == dtype and torch.equal(y, expected.to(dtype))) or not P_y.active, dtype
+    y = layer(torch.zeros(0, 3, dtype=torch.int64))  # empty blocks of data keep their dtype (they went as float32)
+    assert not P_y.active or (y.dtype == torch.int64 and y.shape == (0, 3)), y.dtype
     big = torch.tensor([2 ** 61 + comm.rank, -2 ** 53 - 1], dtype=torch.int64)
     y = layer(big)  # 64-bit integers exactly
     assert not P_y.active or y.tolist() == [3 * 2 ** 61 + 3, 3 * (-2 ** 53 - 1)]

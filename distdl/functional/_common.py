@@ -97,14 +97,16 @@ def idle_output(x: torch.Tensor) -> torch.Tensor:
     return x * x
 
 
-def receiving_in_graph(x: torch.Tensor) -> torch.Tensor:
+def receiving_in_graph(x: torch.Tensor, P_x: MPIPartition) -> torch.Tensor:
     """Return :func:`in_graph` of the input of a worker that may receive data in place of ``x``.
 
-    A zero-volume placeholder of an integer (or bool) dtype cannot require grad: floating data arriving in its
-    place would leave the graph here while the senders wait in the backward for this worker. Such a placeholder
-    is replaced by an empty one of the default floating dtype (an integer result stays outside the graph anyway).
+    Outside the source partition ``P_x``, a zero-volume placeholder of an integer (or bool) dtype cannot require
+    grad: floating data arriving in its place would leave the graph here while the senders wait in the backward for
+    this worker. Such a placeholder is replaced by an empty one of the default floating dtype (an integer result
+    stays outside the graph anyway). An empty block of ``P_x`` is data: its dtype is the data's.
     """
-    if torch.is_grad_enabled() and x.numel() == 0 and not (x.is_floating_point() or x.is_complex()):
+    if (torch.is_grad_enabled() and x.numel() == 0 and not (x.is_floating_point() or x.is_complex())
+            and not P_x.active):
         x = torch.empty(x.shape, dtype=torch.get_default_dtype(), device=x.device)
     return in_graph(x)
 

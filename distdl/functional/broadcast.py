@@ -80,7 +80,7 @@ def broadcast(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_s
         return idle_in_graph(x, preserve_batch)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _broadcast(x, bool(preserve_batch), plan)
-    return _Broadcast.apply(receiving_in_graph(x), plan, P_x, bool(preserve_batch))
+    return _Broadcast.apply(receiving_in_graph(x, P_x), plan, P_x, bool(preserve_batch))
 
 
 class Groups:

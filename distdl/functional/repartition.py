@@ -81,7 +81,7 @@ def repartition(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, preserve_
     if check_mode():  # the workers of both partitions take part; receivers hold placeholders
         verify(where, pair.P_union or P_x, agree=())
     if torch.is_grad_enabled():
-        x = receiving_in_graph(x) if P_y.active else in_graph(x)  # a worker in neither keeps its dtype
+        x = receiving_in_graph(x, P_x) if P_y.active else in_graph(x)  # a worker in neither keeps its dtype
         if x.requires_grad:
             return _Repartition.apply(x, pair)
     return _forward(x, P_x, P_y, pair)[0]  # nothing to record (e.g. inside a backward): skip autograd's ~5 us

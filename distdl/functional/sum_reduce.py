@@ -80,7 +80,7 @@ def sum_reduce(x: torch.Tensor, P_x: MPIPartition, P_y: MPIPartition, transpose_
         return idle_in_graph(x, preserve_batch)
     if not torch.is_grad_enabled():  # nothing to record (e.g. inside a backward): skip autograd's ~5 us
         return _sum_reduce(x, bool(preserve_batch), plan.P_recv, plan.P_send, plan.blocking)
-    return _SumReduce.apply(receiving_in_graph(x), plan, P_y, bool(preserve_batch))
+    return _SumReduce.apply(receiving_in_graph(x, P_x), plan, P_y, bool(preserve_batch))
 
 
 def reduction_plan(P_x: MPIPartition, P_y: MPIPartition, transpose_src: bool,
