@@ -206,3 +206,25 @@ def test_errors(P_world, comm):
     # Every worker of P_x learns the global shape, so every worker raises the same error.
     with pytest.raises(ValueError, match=r"expected an input large enough for an output, got global shape"):
         layer(torch.ones(1, 2, 1 if comm.rank == 0 else 0, dtype=torch.float64))
+
+
+@sizes(2, 3)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bfloat16_3d_windows_with_a_stride(P_world, comm, autocast):
+    """A strided 3-d convolution in bfloat16 (or under CPU autocast) whose windows are a few elements wide: torch's
+    CPU kernel gave values up to the dtype's range there (torch 2.13; not on the whole, padded tensor), so both
+    layers' outputs were garbage. distdl runs such convolutions in float32 and rounds."""
+    from distdl.testing import gather
+    P_x = P_world.create_cartesian_topology_partition((1, 1, 1, 1, comm.size))
+    kw = {"kernel_size": (2, 1, 2), "stride": (2, 1, 2), "padding": (3, 3, 2), "bias": False}
+    weight, x_global = random_tensor((2, 1, 2, 1, 2), seed=1), random_tensor((3, 1, 5, 5, 3), seed=0)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    expected = torch.nn.functional.conv3d(x_global, weight, None, kw["stride"], kw["padding"])
+    for layer in (DistributedGeneralConv3d(P_x, P_x, P_x, 1, 2, **kw), DistributedFeatureConv3d(P_x, 1, 2, **kw)):
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+        layer.to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(scatter(x_global.to(dtype), P_x))
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(gather(y.detach(), P_x).double(), expected, atol=0.05, rtol=0.02)

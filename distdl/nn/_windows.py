@@ -170,6 +170,25 @@ def connect(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None
     return y + (total * total if reads_input else total).to(y.dtype)
 
 
+def convolve(dims: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
+             *args) -> torch.Tensor:
+    """Return torch's convolution (``args``: padding, dilation, groups). A 3-d one with a stride above 1 that runs
+    in bfloat16 on the CPU (its dtype or autocast's) runs in float32, its output rounded: torch's CPU kernel gives
+    wrong values, up to the dtype's range, for some inputs a few elements wide there (torch 2.13), which a block's
+    window may be where the whole tensor is not."""
+    conv = _CONV[dims]
+    if dims == 3 and x.device.type == "cpu" and max(stride) > 1 and (
+            x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu") and x.is_floating_point()
+                                          and torch.get_autocast_dtype("cpu") == torch.bfloat16)):
+        with torch.autocast("cpu", enabled=False):
+            return conv(x.float(), weight.float(), None if bias is None else bias.float(), stride,
+                        *args).to(torch.bfloat16)
+    return conv(x, weight, bias, stride, *args)
+
+
+_CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
+
+
 def conv_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """Return the dtype of torch's convolution of ``x`` and ``weight`` (autocast's, under torch.autocast), for an
     empty output block, from a one-element convolution."""

@@ -47,8 +47,6 @@ from distdl.utilities.torch import in_format, zeros_block
 
 __all__ = ["DistributedChannelConv1d", "DistributedChannelConv2d", "DistributedChannelConv3d"]
 
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-
 
 def regrid(P: MPIPartition, shape: tuple[int, ...]) -> MPIPartition:
     """Return the workers of ``P`` (same rank order) as a grid of ``shape``; ``P`` itself if it has it; built once."""
@@ -191,10 +189,11 @@ class _BlockConvNd(CollectStateMixin, torch.nn.Module):
         if x.numel() == 0 or weight.numel() == 0 or 0 in shape:  # still joined to the graph
             return _windows.connect(zeros_block(shape, x, _windows.conv_dtype(x, weight)), x, weight, bias)
         if self.padding_mode == "zeros" and all(left == right for left, right in pads):
-            return _CONV[self.dims](x, weight, bias, self.stride, tuple(left for left, _ in pads), self.dilation)
+            return _windows.convolve(self.dims, x, weight, bias, self.stride, tuple(left for left, _ in pads),
+                                    self.dilation)
         flat_pads = tuple(p for pair in reversed(pads) for p in pair)
         x = F.pad(x, flat_pads, mode="constant" if self.padding_mode == "zeros" else self.padding_mode)
-        return _CONV[self.dims](x, weight, bias, self.stride, 0, self.dilation)
+        return _windows.convolve(self.dims, x, weight, bias, self.stride, 0, self.dilation)
 
     def _local_pads(self) -> tuple[tuple[int, int], ...]:
         return self._pads

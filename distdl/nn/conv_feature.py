@@ -25,11 +25,10 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from distdl.backends import mpi as transport
 from distdl.checks import check_mode, verify
-from distdl.functional._common import check_flags, check_partition, idle_output, in_graph
+from distdl.functional._common import check_flags, check_partition, idle_output
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn import _windows
@@ -38,8 +37,6 @@ from distdl.partition import MPIPartition
 from distdl.utilities.torch import zeros_block
 
 __all__ = ["DistributedFeatureConv1d", "DistributedFeatureConv2d", "DistributedFeatureConv3d"]
-
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def positive_ints(where: str, **values: object) -> tuple[int, ...]:
@@ -151,7 +148,8 @@ class _DistributedFeatureConvNd(CollectStateMixin, torch.nn.Module):
         if 0 in shape:  # still joined to the graph: its backward takes part in the collectives
             return _windows.connect(zeros_block(shape, x, _windows.conv_dtype(window, weight)), window, weight,
                                     bias)
-        return _CONV[self.dims](window, weight, bias, self.stride, plan.padding, self.dilation, self.groups)
+        return _windows.convolve(self.dims, window, weight, bias, self.stride, plan.padding, self.dilation,
+                                 self.groups)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
