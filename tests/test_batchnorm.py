@@ -257,6 +257,20 @@ def test_errors(P_world, comm):
         untracked = DistributedBatchNorm(P_x, 3, track_running_stats=False).eval()
         with pytest.raises(ValueError, match="expected more than 1 value per channel when training, got 1"):
             untracked(torch.ones(1, 3, 1))
+    # eps as torch's: > 0 with batch statistics, >= 0 with running ones (a constant channel gave NaN); on every
+    # worker, outside P_x too
+    P_0 = P_world.create_partition_inclusive([0]).create_cartesian_topology_partition((1, 1, 1))
+    x = random_tensor((2, 3, 4), seed=comm.rank, dtype=torch.float32) if P_0.active else torch.zeros(0)
+    for eps, training, tracked, expected in ((0.0, True, True, "> 0 with batch statistics, got 0.0"),
+                                             (float("nan"), True, True, "> 0 with batch statistics, got nan"),
+                                             (0.0, False, False, "> 0 with batch statistics, got 0.0"),
+                                             (-1e-5, False, True, ">= 0, got -1e-05")):
+        layer = DistributedBatchNorm(P_0, 3, eps=eps, track_running_stats=tracked).train(training)
+        with pytest.raises(ValueError, match=re.escape(f"DistributedBatchNorm: expected eps {expected}")):
+            layer(x)
+    layer, ref = DistributedBatchNorm(P_0, 3, eps=0.0).eval(), torch.nn.BatchNorm1d(3, eps=0.0).eval()
+    y = layer(x)  # torch runs eval with eps 0 too
+    assert not P_0.active or torch.allclose(y, ref(x), rtol=1e-6, atol=1e-6)
 
 
 @sizes(1, 2, 3)

@@ -259,6 +259,10 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
         weight, bias = self.weight, self.bias  # once: a parametrization computes them at each read
         refuse_unsupported(name)  # _BatchNorm would drop a forward-mode tangent (in eval mode)
         check_idle_input(name, self.P_x, x)
+        batch_statistics = self.training or (self.running_mean is None and self.running_var is None)  # torch's rule
+        if not (self.eps > 0 if batch_statistics else self.eps >= 0):  # as torch, on every worker (NaN too)
+            raise ValueError(f"{name}: expected eps {'> 0 with batch statistics' if batch_statistics else '>= 0'}, "
+                             f"got {self.eps}")
         if not self.P_x.active:
             return _Outside.apply(in_graph(x))  # backward runs here too (and raises in a double backward)
         if x.dim() != self.P_x.dim or x.shape[1] != self.num_features:
@@ -266,7 +270,7 @@ class DistributedBatchNorm(CollectStateMixin, torch.nn.Module):
                              f"channels (dimension 1) for P_x of shape {self.P_x.shape}, got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"{name}: expected a floating-point tensor, got {x.dtype}")
-        if self.training or (self.running_mean is None and self.running_var is None):  # torch's rule
+        if batch_statistics:
             with torch.no_grad():
                 n, local_mean, m2 = _channel_moments(x.to(torch.promote_types(x.dtype, torch.float32)))
                 mean, var, count = _merge_moments(n, local_mean, m2, self.P_x, self.axes, (name, x.shape))

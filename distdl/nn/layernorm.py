@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from distdl.checks import announce, check_mode, verify
-from distdl.functional._common import (check_flags, check_idle_input, check_partition, check_tensor, idle_output,
-                                       in_graph)
+from distdl.functional._common import check_flags, check_idle_input, check_partition, check_tensor, idle_output
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward
 from distdl.nn.batchnorm import global_moments

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from distdl.checks import announce, verify
-from distdl.functional._common import check_idle_input, check_partition, check_tensor, idle_output, in_graph
+from distdl.functional._common import check_idle_input, check_partition, check_tensor, idle_output
 from distdl.functional.all_sum_reduce import fibre
 from distdl.functional.invariant import all_sum_reduce_backward, all_sum_reduce_forward
 from distdl.nn._blocks import check_extents, extent_terms
