@@ -143,11 +143,13 @@ def verify(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None =
 
 
 def verify_later(where: str, P: MPIPartition | MPI.Intracomm, x: torch.Tensor | None = None,
-                 agree: Mapping[str, Any] | Iterable[str] | None = None) -> Callable[[], None] | None:
+                 agree: Mapping[str, Any] | Iterable[str] | None = None,
+                 force: bool = False) -> Callable[[], None] | None:
     """:func:`verify`, its exchange started now and completed by the function returned (which waits, and raises
     as :func:`verify` does); None where there is nothing to complete. For a check that workers start in an order
-    of their own, such as autograd's order of a backward's hooks, with checks on other communicators between."""
-    if not _enabled:
+    of their own, such as autograd's order of a backward's hooks, with checks on other communicators between.
+    ``force``: check with check mode off too (to match a check that peers started with it on)."""
+    if not (_enabled or force):
         return None
     if not isinstance(where, str):
         raise TypeError(f"verify: expected a str for where, got {type(where).__name__}")

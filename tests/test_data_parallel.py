@@ -830,6 +830,48 @@ def test_a_backward_that_raised_at_another_point_on_each_member(P_world, comm, c
             _assert_grads(wrapped, expected)
 
 
+@sizes(2, 3, 4)
+@pytest.mark.parametrize("then", ["check mode off", "another wrapper", "a primitive"])
+def test_after_a_backward_raised_apart_in_check_mode(P_world, comm, then, monkeypatch):
+    """In check mode, a backward raising at another point on each member (rank 0 before the wrapper's first
+    gradient) leaves that backward's check started on some members only. What comes next on P before the wrapper's
+    next checked forward (a step with check mode off, another wrapper's step, a validation primitive) met that
+    check, when it was on P's communicator: a false mismatch, a timeout or a hang. The wrapper checks on a
+    communicator of its own; a forward with check mode off completes that check on every member."""
+    import distdl
+    from distdl.functional import all_sum_reduce
+    monkeypatch.setenv("DISTDL_CHECK_TIMEOUT", "30")
+    n = 7
+    x, y = _batch(n, seed=4)
+    expected, other_expected = _grads(_mlp(0), x, y), _grads(_mlp(1), x, y)
+    rows = _rows(n, comm.size, comm.rank)
+    wrapped = DataParallel(_mlp(0), P_world, bucket_cap_mb=TINY_CAP, op="sum")
+    other = DataParallel(_mlp(1), P_world, bucket_cap_mb=TINY_CAP, op="sum")
+    layer = [None, 0, 2, 4][comm.rank]
+
+    def fail(grad):
+        raise RuntimeError("a hook failed")
+    with distdl.checking():
+        out = wrapped(x[rows])
+        handle = (out if layer is None else wrapped.module[layer].weight).register_hook(fail)
+        with pytest.raises(RuntimeError, match="a hook failed"):
+            ((out - y[rows]) ** 2).sum().backward()
+        handle.remove()
+        if then == "another wrapper":
+            other.zero_grad()
+            ((other(x[rows]) - y[rows]) ** 2).sum().backward()
+            _assert_grads(other, other_expected)
+        elif then == "a primitive":
+            with torch.no_grad():
+                total = all_sum_reduce(torch.full((2,), float(comm.rank)), P_world, axes_reduce=[0])
+            assert torch.equal(total, torch.full((2,), float(sum(range(comm.size)))))
+        for step in range(2):
+            with distdl.checking(then != "check mode off" or step == 1):
+                wrapped.zero_grad()
+                ((wrapped(x[rows]) - y[rows]) ** 2).sum().backward()
+            _assert_grads(wrapped, expected)
+
+
 @sizes(1, 2, 3)
 def test_repeated_calls(P_world, comm):
     """all_reduce_gradients keeps its plan between calls: still right after the parameters change dtype in place

@@ -243,15 +243,21 @@ class DataParallel(torch.nn.Module):
         # in another order on each member (a bucket with a parameter unused there starts at the end of backward).
         self._replicas = P.create_partition_inclusive(range(P.size))
         self._comm = self._replicas.comm
+        # Check mode checks its forwards and the ends of its backwards on a third: the check of a backward that raised
+        # on every member, started on some only, then meets no other check or collective on P (see forward)
+        self._checks = P.create_partition_inclusive(range(P.size))
         states = list(module.parameters()) + list(module.buffers())
         _check_agreement("DataParallel", P, lambda: _named(module), _signature(self._buckets, states), problem,
                          settings=self._settings())
         transport.bcast_in_place_all(P.comm, states)
         self._known = {id(t): weakref.ref(t) for t in states}  # broadcast: a replan broadcasts only others
-        # changed; no_sync() at this forward: off, on; 1 + the buckets a backward that raised had started
-        self._flags = np.zeros(4, dtype=np.int64)
+        # changed; no_sync() at this forward: off, on; 1 + the buckets a backward that raised had started; the check of
+        # that backward left started here
+        self._flags = np.zeros(5, dtype=np.int64)
         self._hooks: list = []
-        self._flight: list = []  # the buckets and check of a backward in flight: MPI may still write their buffers
+        # the buckets and check of a backward in flight, and their communicators: MPI may still write their buffers,
+        # and a communicator freed with a collective that some member never joins may be reused under it
+        self._flight: list = []
         # the hooks go with the wrapper (a dropped one does not reduce); what is in flight stays
         weakref.finalize(self, _remove, self._hooks, self._flight)
         self._hook(params)
@@ -292,12 +298,18 @@ class DataParallel(torch.nn.Module):
             # the last backward raised before its end where it left sums in flight (on some members only, where
             # the others raised before its first gradient)
             abandoned = self._in_flight and torch._C._current_graph_task_id() == -1
-            self._verify_forward(abandoned)
+            if check_mode():
+                self._verify_forward(abandoned)
             params = [p for p in self.module.parameters() if p.requires_grad]
+            left = abandoned and self._check is not None  # with check mode off here (see _verify_forward)
             self._flags[:] = (_layout(self.module, params) != self._layout or _gone(self._holders), self._sync,
-                              not self._sync, self._next + 1 if abandoned else 0)
+                              not self._sync, self._next + 1 if abandoned else 0, left)
             # every member plans again, or none; on P's communicator, as sums may be in flight on the wrapper's
             self.P.comm.Allreduce(MPI.IN_PLACE, self._flags, op=MPI.MAX)
+            if self._flags[4]:  # some member left the check of that backward: the others make theirs, alike
+                if not left:
+                    self._check = verify_later("DataParallel (backward)", self._checks, force=True)
+                self._complete_check()
             if self._flags[3]:
                 self._abandon(int(self._flags[3]) - 1, abandoned)
             if self._flags[1] and self._flags[2]:
@@ -381,11 +393,11 @@ class DataParallel(torch.nn.Module):
         if abandoned:  # pairs with the others' check of that backward, or their forward's (see _raised_apart)
             self._complete_check(abandoned)
         try:
-            verify("DataParallel", self.P)
+            verify("DataParallel", self._checks)
         except CollectiveMismatchError as error:
             if not self._raised_apart(error, False):
                 raise
-            verify("DataParallel", self.P)  # where it started the check of that backward, this forward's follows
+            verify("DataParallel", self._checks)  # where it started that backward's check, this forward's follows
 
     def _complete_check(self, abandoned: bool = False) -> None:
         """Complete the check mode's check of the backward in flight, if any (``abandoned``: in the forward after
@@ -483,8 +495,8 @@ class DataParallel(torch.nn.Module):
             # check mode: a member that skipped this backward, or made a forward its peers did not, is named (this
             # pairs with its next forward's check); completed at the end, as wrappers on other communicators may
             # start theirs in another order
-            self._check = verify_later("DataParallel (backward)", self.P)
-            self._flight[:] = [self._buckets, self._check]
+            self._check = verify_later("DataParallel (backward)", self._checks)
+            self._flight[:] = [self._buckets, self._check, self._replicas, self._checks]
             self._waiting = [len(b.params) for b in self._buckets]
             self._seen: set[int] = set()
             self._claimed: set[int] = set()
