@@ -9,7 +9,7 @@ from distdl.nn.conv import DistributedConv1d, DistributedConv2d, DistributedConv
 from distdl.nn.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d
 from distdl.nn.conv_feature import DistributedFeatureConv3d
 from distdl.nn.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
-from distdl.testing import assert_adjoint, random_tensor, scatter
+from distdl.testing import assert_adjoint, gather, random_tensor, scatter
 from helpers import sizes
 from test_conv_channel import check, make_pair, numpy_counts, partitions
 
@@ -214,7 +214,6 @@ def test_bfloat16_3d_windows_with_a_stride(P_world, comm, autocast):
     """A strided 3-d convolution in bfloat16 (or under CPU autocast) whose windows are a few elements wide: torch's
     CPU kernel gave values up to the dtype's range there (torch 2.13; not on the whole, padded tensor), so both
     layers' outputs were garbage. distdl runs such convolutions in float32 and rounds."""
-    from distdl.testing import gather
     P_x = P_world.create_cartesian_topology_partition((1, 1, 1, 1, comm.size))
     kw = {"kernel_size": (2, 1, 2), "stride": (2, 1, 2), "padding": (3, 3, 2), "bias": False}
     weight, x_global = random_tensor((2, 1, 2, 1, 2), seed=1), random_tensor((3, 1, 5, 5, 3), seed=0)

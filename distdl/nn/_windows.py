@@ -170,6 +170,9 @@ def connect(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None = None
     return y + (total * total if reads_input else total).to(y.dtype)
 
 
+_CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
+
+
 def convolve(dims: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: tuple[int, ...],
              *args) -> torch.Tensor:
     """Return torch's convolution (``args``: padding, dilation, groups). A 3-d one with a stride above 1 that runs
@@ -184,9 +187,6 @@ def convolve(dims: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             return conv(x.float(), weight.float(), None if bias is None else bias.float(), stride,
                         *args).to(torch.bfloat16)
     return conv(x, weight, bias, stride, *args)
-
-
-_CONV = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}
 
 
 def conv_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:

@@ -256,7 +256,8 @@ class DataParallel(torch.nn.Module):
         self._flags = np.zeros(5, dtype=np.int64)
         self._hooks: list = []
         # the buckets and check of a backward in flight, and their communicators: MPI may still write their buffers,
-        # and a communicator freed with a collective that some member never joins may be reused under it
+        # and freeing a communicator that a collective started on some members only never completes on made a later
+        # collective of the job fail (a rank killed, at 4 processes; docs/concepts.md: forward before dropping it)
         self._flight: list = []
         # the hooks go with the wrapper (a dropped one does not reduce); what is in flight stays
         weakref.finalize(self, _remove, self._hooks, self._flight)
